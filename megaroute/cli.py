@@ -1,0 +1,38 @@
+"""The `megaroute` command. Each subcommand lives in its own module and registers itself."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module exposing `add_parser(subparsers)`; imported lazily so `megaroute --help`
+# stays fast and a subcommand's heavy dependencies load only when it runs.
+SUBCOMMANDS = {
+    "config": "megaroute.config.cli",
+    "inspect": "megaroute.inspect",
+    "data": "megaroute.data.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megaroute", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megaroute.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"megaroute: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

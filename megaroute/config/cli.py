@@ -1,0 +1,29 @@
+"""`megaroute config show --config X [overrides]`: print the resolved config."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """The --config FILE + trailing key=value overrides shared by every config-driven command."""
+    parser.add_argument("--config", help="YAML config file (may use `base:` inheritance)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("config", help="show the resolved config")
+    # `show` is a sub-command rather than a positional choice: argparse matches consecutive
+    # positionals greedily, so with `action` and `overrides` side by side the overrides after
+    # `--config X` were rejected as "unrecognized arguments".
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="print the resolved config as YAML")
+    add_config_args(show)
+    show.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from . import load_config, to_yaml
+
+    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0

@@ -1,0 +1,291 @@
+"""Typed config sections.
+
+Every field carries its type annotation; the loader checks YAML values against it, so a
+section class is the single source of truth for what a config may contain. Range checks
+live in each section's `validate`, cross-section checks in `Config.validate`. Both raise
+`ConfigError` naming the full key path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or out of range. The message names the key path."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"config key '{path}': {message}" if path else message)
+
+
+def _require(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(path, message)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8192
+    d_model: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    # SwiGLU hidden size; None -> 8/3 * d_model rounded up to ffn_multiple_of.
+    d_ff: Optional[int] = None
+    ffn_multiple_of: int = 64
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    def validate(self, path: str) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"{path}.n_heads",
+            f"n_heads={self.n_heads} does not divide d_model={self.d_model}",
+        )
+        _require((self.d_model // self.n_heads) % 2 == 0, f"{path}.n_heads",
+                 f"head dim {self.d_model // self.n_heads} must be even for RoPE")
+        _require(self.d_ff is None or self.d_ff > 0, f"{path}.d_ff", f"must be > 0, got {self.d_ff}")
+        _require(self.init_std > 0, f"{path}.init_std", f"must be > 0, got {self.init_std}")
+        _require(self.norm_eps > 0, f"{path}.norm_eps", f"must be > 0, got {self.norm_eps}")
+        _require(self.rope_theta > 0, f"{path}.rope_theta", f"must be > 0, got {self.rope_theta}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        hidden = int(8 * self.d_model / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+
+RoutingMethod = Literal["none", "mod"]
+
+
+@dataclass
+class RoutingConfig:
+    # "none" = dense model; "mod" = Mixture-of-Depths expert-choice top-k.
+    method: RoutingMethod = "none"
+    # Fraction of tokens per sequence that a routed block processes.
+    capacity: float = 0.125
+    # Block i is routed when i % every == offset (every=2, offset=1: blocks 1, 3, 5, ...).
+    every: int = 2
+    offset: int = 1
+    # Router weight on the residual update: identity (the paper's raw weight) or sigmoid.
+    gate: Literal["identity", "sigmoid"] = "identity"
+    # How routed blocks decide causally at evaluation/sampling time.
+    causal_method: Literal["aux_loss", "predictor"] = "aux_loss"
+    aux_loss_weight: float = 0.01
+    predictor_hidden: int = 64
+    predictor_loss_weight: float = 0.01
+
+    def validate(self, path: str) -> None:
+        _require(0.0 < self.capacity <= 1.0, f"{path}.capacity", f"must be in (0, 1], got {self.capacity}")
+        _require(self.every >= 1, f"{path}.every", f"must be >= 1, got {self.every}")
+        _require(0 <= self.offset < self.every, f"{path}.offset",
+                 f"must be in [0, every={self.every}), got {self.offset}")
+        _require(self.aux_loss_weight >= 0, f"{path}.aux_loss_weight", f"must be >= 0, got {self.aux_loss_weight}")
+        _require(self.predictor_hidden > 0, f"{path}.predictor_hidden", f"must be > 0, got {self.predictor_hidden}")
+        _require(self.predictor_loss_weight >= 0, f"{path}.predictor_loss_weight",
+                 f"must be >= 0, got {self.predictor_loss_weight}")
+
+    def is_routed(self, layer: int) -> bool:
+        return self.method != "none" and layer % self.every == self.offset
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    # Data-parallel size; 0 derives it as world_size // tp.
+    dp: int = 0
+    activation_checkpointing: bool = False
+
+    def validate(self, path: str) -> None:
+        _require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
+        _require(self.dp >= 0, f"{path}.dp", f"must be >= 0 (0 = derive from world size), got {self.dp}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    # Warmup-stable-decay: fraction of max_steps spent in the final decay.
+    decay_fraction: float = 0.2
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    def validate(self, path: str) -> None:
+        _require(self.lr > 0, f"{path}.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"{path}.min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{path}.betas",
+                 f"must be two values in [0, 1), got {self.betas}")
+        _require(self.eps > 0, f"{path}.eps", f"must be > 0, got {self.eps}")
+        _require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.grad_clip >= 0, f"{path}.grad_clip", f"must be >= 0 (0 disables), got {self.grad_clip}")
+        _require(self.warmup_steps >= 0, f"{path}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(0 < self.decay_fraction <= 1, f"{path}.decay_fraction",
+                 f"must be in (0, 1], got {self.decay_fraction}")
+        _require(self.zero_stage in (0, 1, 2, 3), f"{path}.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _require(not self.offload_params or self.zero_stage == 3, f"{path}.offload_params",
+                 "parameter offload needs zero_stage 3")
+        _require(not self.offload_optimizer or self.zero_stage >= 1, f"{path}.offload_optimizer",
+                 "optimizer offload needs zero_stage >= 1")
+
+
+@dataclass
+class TokenizerConfig:
+    # sentencepiece: train on a sample of the corpus; char: one id per character;
+    # file: load an existing SentencePiece .model from `path`.
+    kind: Literal["sentencepiece", "char", "file"] = "sentencepiece"
+    vocab_size: int = 8192
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    byte_fallback: bool = True
+    # Number of characters of the corpus sampled for tokenizer training.
+    sample_chars: int = 20_000_000
+    path: Optional[str] = None
+
+    def validate(self, path: str) -> None:
+        _require(self.vocab_size > 0, f"{path}.vocab_size", f"must be > 0, got {self.vocab_size}")
+        _require(self.sample_chars > 0, f"{path}.sample_chars", f"must be > 0, got {self.sample_chars}")
+        _require(self.kind != "file" or bool(self.path), f"{path}.path", "kind 'file' needs a tokenizer .model path")
+
+
+@dataclass
+class DataConfig:
+    # Local files (path, directory or glob) or a Hugging Face hub dataset name.
+    source: str = "data/tinyshakespeare.txt"
+    format: Literal["auto", "text", "jsonl", "parquet", "arrow", "hub"] = "auto"
+    text_field: str = "text"
+    hub_split: str = "train"
+    hub_config: Optional[str] = None
+    # Where prepared shards, index.json and the tokenizer are written.
+    output_dir: str = "data/prepared/tinyshakespeare"
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    val_fraction: float = 0.05
+    # Undecodable bytes: "replace" substitutes U+FFFD and counts them, "strict" fails.
+    decode_errors: Literal["replace", "strict"] = "replace"
+    num_workers: int = 2
+    shard_tokens: int = 50_000_000
+    seq_len: int = 256
+    seed: int = 1234
+
+    def validate(self, path: str) -> None:
+        _require(bool(self.source), f"{path}.source", "must not be empty")
+        _require(0.0 < self.val_fraction < 1.0, f"{path}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        _require(self.num_workers >= 1, f"{path}.num_workers", f"must be >= 1, got {self.num_workers}")
+        _require(self.shard_tokens > 0, f"{path}.shard_tokens", f"must be > 0, got {self.shard_tokens}")
+        _require(self.seq_len > 0, f"{path}.seq_len", f"must be > 0, got {self.seq_len}")
+        self.tokenizer.validate(f"{path}.tokenizer")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    # Sequences per optimizer step over all data-parallel ranks; accumulation is derived.
+    global_batch_size: int = 8
+    max_steps: int = 1000
+    # Optional budgets; training stops at whichever of max_steps/tokens/flops comes first.
+    max_tokens: Optional[int] = None
+    max_flops: Optional[float] = None
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_batches: int = 10
+    log_interval: int = 10
+    # Stop after this many consecutive non-finite steps.
+    max_nonfinite_steps: int = 5
+    # Peak FLOP/s per device for MFU; 0 = look up the device (or a CPU estimate).
+    peak_flops: float = 0.0
+
+    def validate(self, path: str) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_interval",
+                     "eval_batches", "log_interval", "max_nonfinite_steps"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.global_batch_size % self.micro_batch_size == 0, f"{path}.global_batch_size",
+                 f"{self.global_batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+        _require(self.max_tokens is None or self.max_tokens > 0, f"{path}.max_tokens", "must be > 0")
+        _require(self.max_flops is None or self.max_flops > 0, f"{path}.max_flops", "must be > 0")
+        _require(self.peak_flops >= 0, f"{path}.peak_flops", f"must be >= 0, got {self.peak_flops}")
+
+
+@dataclass
+class CheckpointConfig:
+    # Relative paths are resolved under the run directory.
+    dir: str = "checkpoints"
+    interval: int = 500
+    keep_last: int = 3
+    # auto: latest good checkpoint if any; none: start fresh; anything else: a checkpoint path.
+    resume: str = "auto"
+    # Initialize weights from another run's checkpoint (e.g. a dense model for controller-only training).
+    init_from: Optional[str] = None
+
+    def validate(self, path: str) -> None:
+        _require(self.interval > 0, f"{path}.interval", f"must be > 0, got {self.interval}")
+        _require(self.keep_last >= 1, f"{path}.keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # None -> a local SQLite store under the runs directory; http://host:port for a server.
+    uri: Optional[str] = None
+    experiment: str = "megaroute"
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        _require(bool(self.experiment), f"{path}.experiment", "must not be empty")
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    # Free-form labels recorded as tags (variant: dense/mod/..., size: 157m, ...).
+    variant: str = "dense"
+    size: str = "tiny"
+    runs_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> "Config":
+        _require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
+        for section in ("model", "routing", "parallel", "optim", "data", "train", "checkpoint", "tracking"):
+            getattr(self, section).validate(section)
+        _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
+                 f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.data.tokenizer.kind == "sentencepiece":
+            _require(self.data.tokenizer.vocab_size <= self.model.vocab_size, "data.tokenizer.vocab_size",
+                     f"{self.data.tokenizer.vocab_size} exceeds model.vocab_size={self.model.vocab_size}")
+        if self.routing.method != "none":
+            _require(any(self.routing.is_routed(i) for i in range(self.model.n_layers)), "routing.offset",
+                     f"no block is routed with every={self.routing.every}, offset={self.routing.offset} "
+                     f"and n_layers={self.model.n_layers}")
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        import os
+
+        return os.path.join(self.runs_dir, self.name)

@@ -1,0 +1,101 @@
+"""Decoder-only language model: embedding -> layers (dense or routed) -> norm -> LM head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, RoutingConfig
+from .norm import RMSNorm
+from .rope import Positions, RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    # lm_loss + weighted auxiliary losses: what the trainer backpropagates.
+    loss: Optional[torch.Tensor] = None
+    lm_loss: Optional[torch.Tensor] = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per-layer routing statistics, e.g. "layer_3/selected_frac" (detached scalars).
+    routing_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, routing: RoutingConfig):
+        super().__init__()
+        from ..routing import build_layer  # routing builds on model.block; import here avoids a cycle
+
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(build_layer(i, cfg, routing) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        # GPT-2 style: N(0, std) everywhere; residual output projections scaled by
+        # 1/sqrt(2 * n_layers) so the residual stream's variance does not grow with depth.
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("attn.out", "mlp.down"))
+                nn.init.normal_(module.weight, std=residual_std if is_residual_out else self.cfg.init_std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        routing_mode: str = "topk",
+        positions: Optional[torch.Tensor] = None,
+    ) -> ModelOutput:
+        from ..routing import RoutingContext
+
+        B, T = tokens.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        ctx = RoutingContext(mode=routing_mode)
+        pos = Positions(self.rope, positions)
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, pos, ctx, f"layer_{i}")
+        logits = self.lm_head(self.norm(x))
+
+        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats)
+        if targets is not None:
+            out.lm_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            aux = ctx.total_aux_loss()
+            out.loss = out.lm_loss if aux is None else out.lm_loss + aux
+        return out
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        if exclude_embedding:
+            n -= self.embed.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+
+def build_model(cfg: ModelConfig, routing: RoutingConfig, device: str | torch.device = "cpu") -> Transformer:
+    """Builds on `device` ('meta' builds the structure without memory) in `cfg.dtype`."""
+    with torch.device(device):
+        model = Transformer(cfg, routing)
+    return model.to(DTYPES[cfg.dtype]) if cfg.dtype != "float32" else model

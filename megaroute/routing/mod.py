@@ -1,0 +1,91 @@
+"""Mixture-of-Depths layer (Raposo et al., 2024), exactly as DESIGN.md specifies.
+
+    r     = router(x)                              [B, T]
+    idx   = top-k(r, k = max(1, round(c*T))), ascending
+    delta = block.update(x[idx], original positions)
+    out   = x;  out[idx] += g(r[idx]) * delta      (residual added once; router on the grad path)
+
+Top-k over the sequence sees the future, so it is for training only. `causal` mode lets each
+token decide alone: from the sign of its own router logit (trained by an auxiliary BCE toward
+top-k membership) or from a small predictor on a stop-gradient copy of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RoutingConfig
+from ..model.block import TransformerBlock
+from ..model.rope import Positions
+from . import dispatch
+from .context import RoutingContext
+
+def _identity(r: torch.Tensor) -> torch.Tensor:
+    return r
+
+
+# Named functions, not lambdas: a module holding a lambda cannot be pickled (torch.save(model)).
+GATES = {"identity": _identity, "sigmoid": torch.sigmoid}
+
+
+class CausalPredictor(nn.Module):
+    """Small MLP predicting top-k membership from a stop-gradient copy of the hidden state."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.detach()).squeeze(-1)
+
+
+class MoDLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, d_model: int, cfg: RoutingConfig):
+        super().__init__()
+        self.block = block
+        self.capacity = cfg.capacity
+        self.gate = GATES[cfg.gate]
+        self.router = nn.Linear(d_model, 1, bias=False)
+        self.causal_method = cfg.causal_method
+        self.aux_loss_weight = cfg.aux_loss_weight
+        self.predictor_loss_weight = cfg.predictor_loss_weight
+        self.predictor = CausalPredictor(d_model, cfg.predictor_hidden) if cfg.causal_method == "predictor" else None
+
+    def causal_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token decision logits that read only the token itself (> 0 means 'process')."""
+        return self.predictor(x) if self.predictor is not None else router_logits
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        logits = self.router(x).squeeze(-1)
+        causal = self.causal_logits(x, logits)
+        if ctx.mode == "topk":
+            idx, valid = dispatch.topk_indices(logits, dispatch.capacity_k(T, self.capacity)), None
+            self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
+        else:
+            idx, valid = dispatch.mask_indices(causal > 0)
+        ctx.add_stat(f"{name}/selected_frac", (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T))
+        ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
+        ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
+        if idx.shape[1] == 0:  # causal mode: nobody in the batch chose this block
+            return x
+
+        x_sel = dispatch.gather_tokens(x, idx)
+        delta = self.block.update(x_sel, pos.select(idx))
+        weight = self.gate(logits.gather(1, idx))
+        if valid is not None:
+            weight = torch.where(valid, weight, torch.zeros_like(weight))
+            delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
+        return dispatch.combine_tokens(x, idx, weight, delta)
+
+    def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
+        target = selected.to(logits.dtype)
+        if self.predictor is None:
+            ctx.add_loss(f"{name}/router_bce", F.binary_cross_entropy_with_logits(logits.float(), target.float()),
+                         self.aux_loss_weight)
+        else:
+            ctx.add_loss(f"{name}/predictor_bce", F.binary_cross_entropy_with_logits(causal.float(), target.float()),
+                         self.predictor_loss_weight)
+        ctx.add_stat(f"{name}/causal_agreement", ((causal > 0) == selected).float().mean())
