@@ -211,6 +211,9 @@ class TrainConfig:
     log_interval: int = 10
     # Stop after this many consecutive non-finite steps.
     max_nonfinite_steps: int = 5
+    # Checkpoint and exit (code 75, "requeue me") once the step count is a multiple of this;
+    # for fixed-length allocations, like Megatron's --exit-interval.
+    exit_interval: Optional[int] = None
     # Peak FLOP/s per device for MFU; 0 = look up the device (or a CPU estimate).
     peak_flops: float = 0.0
 
@@ -223,6 +226,7 @@ class TrainConfig:
         _require(self.max_tokens is None or self.max_tokens > 0, f"{path}.max_tokens", "must be > 0")
         _require(self.max_flops is None or self.max_flops > 0, f"{path}.max_flops", "must be > 0")
         _require(self.peak_flops >= 0, f"{path}.peak_flops", f"must be >= 0, got {self.peak_flops}")
+        _require(self.exit_interval is None or self.exit_interval > 0, f"{path}.exit_interval", "must be > 0")
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Training: DeepSpeed engine setup, the fit loop and its callbacks, checkpoints, tracking."""

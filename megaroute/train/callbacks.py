@@ -1,0 +1,124 @@
+"""Callbacks around the fit loop: progress line, metrics file, MLflow, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Optional
+
+from .checkpoint import CheckpointManager
+from .loop import Callback, Trainer
+from .tracking import MLflowTracker
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+class SpeedMeter(Callback):
+    """Adds perf/tokens_per_s and perf/mfu to each step's metrics (over a sliding window of steps)."""
+
+    def __init__(self, peak_flops_total: float, window: int = 10):
+        self.peak = peak_flops_total
+        self.window = window
+        self.times: list[float] = []
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        self.times = (self.times + [metrics["perf/step_time_s"]])[-self.window:]
+        step_time = sum(self.times) / len(self.times)
+        tps = trainer.tokens_per_step / step_time
+        metrics["perf/tokens_per_s"] = tps
+        metrics["perf/mfu"] = tps * trainer.flops_per_token / self.peak if self.peak > 0 else math.nan
+        metrics["perf/eta_s"] = step_time * (trainer.total_steps - trainer.state.step)
+
+
+class ProgressPrinter(Callback):
+    """Rank-0 progress line: step, loss, tokens/s, MFU, ETA."""
+
+    def __init__(self, interval: int, print_fn=print):
+        self.interval = interval
+        self.print = print_fn
+
+    def on_step_end(self, trainer: Trainer, m: dict) -> None:
+        s = trainer.state.step
+        if s % self.interval == 0 or s == trainer.total_steps or s == 1:
+            self.print(f"step {s:>6}/{trainer.total_steps} | loss {m['train/loss']:.4f} | lr {m['train/lr']:.2e} "
+                       f"| gnorm {m['train/grad_norm']:.3f} | {m['perf/tokens_per_s']:,.0f} tok/s "
+                       f"| mfu {100 * m['perf/mfu']:.2f}% | eta {_fmt_duration(m['perf/eta_s'])}", flush=True)
+
+    def on_eval(self, trainer: Trainer, m: dict) -> None:
+        self.print(f"eval step {trainer.state.step}: " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self.print(f"training stopped at step {trainer.state.step}: {trainer.state.stop_reason} "
+                   f"(skipped steps: {trainer.state.skipped_steps})", flush=True)
+
+
+class MetricsFile(Callback):
+    """Appends every step's and eval's metrics to <run_dir>/metrics.jsonl (rank 0)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def _write(self, kind: str, step: int, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"kind": kind, "step": step, "time": time.time(), **metrics}) + "\n")
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        self._write("train", trainer.state.step, metrics)
+
+    def on_eval(self, trainer: Trainer, metrics: dict) -> None:
+        self._write("eval", trainer.state.step, metrics)
+
+
+class MLflowLogger(Callback):
+    """Forwards metrics to the MLflow tracker every `interval` steps; marks the run's final status."""
+
+    # A run stopped to be resumed later stays KILLED until the resumed job finishes it.
+    STATUS = {"complete": "FINISHED", "signal": "KILLED", "exit_interval": "KILLED", "nonfinite": "FAILED"}
+
+    def __init__(self, tracker: MLflowTracker, interval: int):
+        self.tracker = tracker
+        self.interval = interval
+        self.best_val = math.inf
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        if trainer.state.step % self.interval == 0 or trainer.state.step == trainer.total_steps:
+            self.tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, trainer.state.step)
+
+    def on_eval(self, trainer: Trainer, metrics: dict) -> None:
+        self.best_val = min(self.best_val, metrics.get("val/loss", math.inf))
+        extra = {"val/best_loss": self.best_val} if math.isfinite(self.best_val) else {}
+        self.tracker.log_metrics({**metrics, **extra}, trainer.state.step)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self.tracker.close(self.STATUS.get(trainer.state.stop_reason, "FAILED"))
+
+
+class PeriodicCheckpoint(Callback):
+    """Commits a checkpoint every `interval` steps and whenever training stops."""
+
+    def __init__(self, manager: CheckpointManager, interval: int, client_state):
+        self.manager = manager
+        self.interval = interval
+        self.client_state = client_state  # callable -> dict, evaluated at save time
+        self.last_saved: Optional[int] = None
+
+    def _save(self, trainer: Trainer) -> None:
+        self.manager.save(trainer.engine, trainer.state.step, self.client_state())
+        self.last_saved = trainer.state.step
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        if trainer.state.step % self.interval == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.last_saved != trainer.state.step and trainer.state.step > 0:
+            self._save(trainer)

@@ -1,0 +1,201 @@
+"""Checkpoints on top of DeepSpeed's save/load, with a commit protocol and integrity checks.
+
+    <root>/step_00000100/   DeepSpeed files, rank_XXXXX.pt (per-rank RNG), manifest.json
+    <root>/latest           tag of the newest committed checkpoint
+
+Commit: every rank writes its files -> barrier -> rank 0 hashes every file into
+manifest.json (written atomically) -> rank 0 moves `latest` (atomically) -> barrier.
+A tag without a manifest was never committed. On load the manifest is verified (sizes and
+sha256); a corrupt or incomplete checkpoint is reported and the previous good one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TAG_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(tag_dir: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(tag_dir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), tag_dir)
+            if rel != MANIFEST and ".tmp." not in rel:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(tag_dir: str, step: int) -> dict:
+    files = {rel: {"size": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": _sha256(os.path.join(tag_dir, rel))}
+             for rel in _files(tag_dir)}
+    manifest = {"tag": os.path.basename(tag_dir), "step": step, "created": time.time(), "files": files}
+    _atomic_write(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def verify(tag_dir: str) -> list[str]:
+    """Problems with a checkpoint directory; empty when it is complete and intact."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return [f"{tag_dir}: no {MANIFEST} (checkpoint was never committed)"]
+    try:
+        manifest = json.load(open(path))
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"{path}: unreadable manifest ({e})"]
+    problems = []
+    for rel, meta in manifest["files"].items():
+        full = os.path.join(tag_dir, rel)
+        if not os.path.isfile(full):
+            problems.append(f"{full}: missing")
+        elif os.path.getsize(full) != meta["size"]:
+            problems.append(f"{full}: size {os.path.getsize(full)} != manifest {meta['size']} (truncated?)")
+        elif _sha256(full) != meta["sha256"]:
+            problems.append(f"{full}: sha256 mismatch (corrupted)")
+    return problems
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, root: str, keep_last: int, rank: int):
+        self.root = root
+        self.keep_last = keep_last
+        self.rank = rank
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def tags(self) -> list[str]:
+        """Checkpoint tags on disk, oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        found = [(int(m.group(1)), n) for n in os.listdir(self.root) if (m := TAG_RE.match(n))]
+        return [n for _, n in sorted(found)]
+
+    def latest_tag(self) -> Optional[str]:
+        path = os.path.join(self.root, LATEST)
+        return open(path).read().strip() if os.path.isfile(path) else None
+
+    def save(self, engine, step: int, client_state: dict) -> str:
+        """Collective: every rank must call it at the same step."""
+        tag = tag_for(step)
+        tag_dir = os.path.join(self.root, tag)
+        if self.rank == 0 and os.path.isdir(tag_dir):
+            shutil.rmtree(tag_dir)  # an uncommitted leftover of the same step
+        self._barrier()
+        engine.save_checkpoint(self.root, tag=tag, client_state=client_state, save_latest=False)
+        torch.save(rng_state(), os.path.join(tag_dir, f"rank_{self.rank:05d}.pt"))
+        self._barrier()
+        if self.rank == 0:
+            write_manifest(tag_dir, step)
+            _atomic_write(os.path.join(self.root, LATEST), tag)
+            self._apply_retention(tag)
+        self._barrier()
+        return tag
+
+    def _apply_retention(self, latest: str) -> None:
+        tags = self.tags()
+        committed = [t for t in tags if os.path.isfile(os.path.join(self.root, t, MANIFEST))]
+        keep = set(committed[-self.keep_last:]) | {latest}
+        latest_step = int(TAG_RE.match(latest).group(1))
+        for t in tags:
+            uncommitted_leftover = t not in committed and int(TAG_RE.match(t).group(1)) < latest_step
+            if (t in committed and t not in keep) or uncommitted_leftover:
+                shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
+
+    def find_resumable(self, explicit: Optional[str] = None) -> Optional[str]:
+        """Rank 0 picks the newest intact checkpoint (or checks `explicit`); all ranks get its tag."""
+        choice: list[Optional[str]] = [None]
+        if self.rank == 0:
+            choice[0] = self._choose(explicit)
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if explicit and choice[0] is None:
+            raise CheckpointError(f"checkpoint.resume={explicit!r}: not an intact checkpoint (see warnings above)")
+        return choice[0]
+
+    def _choose(self, explicit: Optional[str]) -> Optional[str]:
+        if explicit:
+            tag = os.path.basename(os.path.normpath(explicit))
+            problems = verify(os.path.join(self.root, tag))
+            for p in problems:
+                warnings.warn(f"checkpoint {tag}: {p}", stacklevel=2)
+            return None if problems else tag
+        latest = self.latest_tag()
+        candidates = [t for t in reversed(self.tags()) if latest is None or t <= latest]
+        for tag in candidates:
+            problems = verify(os.path.join(self.root, tag))
+            if not problems:
+                if tag != latest:
+                    warnings.warn(f"resuming from {tag}: the newer checkpoint {latest} is not usable", stacklevel=2)
+                return tag
+            if os.path.isfile(os.path.join(self.root, tag, MANIFEST)):
+                warnings.warn(f"checkpoint {tag} is corrupt and will be skipped: {'; '.join(problems)}", stacklevel=2)
+        return None
+
+    def load(self, engine, tag: str) -> dict:
+        """Collective: restores engine, optimizer and LR schedule state, and this rank's RNG."""
+        path, client_state = engine.load_checkpoint(self.root, tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {self.root}")
+        rng_path = os.path.join(self.root, tag, f"rank_{self.rank:05d}.pt")
+        if os.path.isfile(rng_path):
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        else:
+            warnings.warn(f"{rng_path} missing (world size changed?); RNG state not restored", stacklevel=2)
+        return client_state or {}

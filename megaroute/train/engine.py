@@ -1,0 +1,95 @@
+"""DeepSpeed setup: the only module that imports deepspeed.
+
+The DeepSpeed config dict is generated from the typed Config (never hand-written JSON), so
+a run's resolved YAML fully determines its engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..config import Config, ConfigError
+from .env import DistEnv
+from .optim import GuardedAdamW, lr_lambda, param_groups
+
+
+def grad_accumulation_steps(cfg: Config, dp_size: int) -> int:
+    per_step = cfg.train.micro_batch_size * dp_size
+    if cfg.train.global_batch_size % per_step:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{cfg.train.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"= {cfg.train.micro_batch_size} x {dp_size}",
+        )
+    return cfg.train.global_batch_size // per_step
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """The DP size implied by the layout; raises before any process group exists."""
+    tp = cfg.parallel.tp
+    if world_size % tp:
+        raise ConfigError("parallel.tp", f"tp={tp} does not divide the world size {world_size}")
+    dp = cfg.parallel.dp or world_size // tp
+    if tp * dp != world_size:
+        raise ConfigError("parallel.dp", f"tp x dp = {tp} x {dp} = {tp * dp} does not match the world size {world_size}")
+    return dp
+
+
+def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
+    t, o = cfg.train, cfg.optim
+    ds: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": grad_accumulation_steps(cfg, dp_size),
+        "gradient_clipping": o.grad_clip,
+        "steps_per_print": 10**9,  # progress is ours; keep DeepSpeed's own log quiet
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": o.zero_stage},
+    }
+    if o.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        # ZeRO-Offload steps on the CPU with DeepSpeed's own Adam; our client optimizer cannot be offloaded.
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": o.betas, "eps": o.eps,
+                                                       "weight_decay": o.weight_decay}}
+    if o.offload_params:
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if t.precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif t.precision == "fp16":
+        # Dynamic loss scaling (loss_scale 0) for V100s, which have no bf16.
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                      "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    return ds
+
+
+def init_distributed(env: DistEnv) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
+    if env.backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+
+
+def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int, mpu: Optional[Any] = None):
+    """Wraps model + optimizer + LR schedule in a DeepSpeed engine."""
+    import deepspeed
+
+    groups = param_groups(model, cfg.optim.weight_decay)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        o = cfg.optim
+        optimizer = GuardedAdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    schedule = lr_lambda(cfg.optim, max_steps)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=groups,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+        config=ds_config,
+        mpu=mpu,
+    )
+    return engine, optimizer, scheduler

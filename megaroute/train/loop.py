@@ -1,0 +1,126 @@
+"""The fit loop: step, evaluate, notify callbacks. Everything else is a callback."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+    tokens_seen: int = 0
+    flops_seen: float = 0.0
+    skipped_steps: int = 0
+    nonfinite_streak: int = 0
+    stop_reason: Optional[str] = None  # "complete" | "signal" | "exit_interval" | "nonfinite"
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+
+class Callback:
+    def on_train_start(self, trainer: "Trainer") -> None: ...
+    def on_step_end(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
+    def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
+    def on_train_end(self, trainer: "Trainer") -> None: ...
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class Trainer:
+    def __init__(self, engine, optimizer, batches: Iterator, evaluate: Callable[[], dict], *, total_steps: int,
+                 accumulation: int, tokens_per_step: int, flops_per_token: float, eval_interval: int,
+                 max_nonfinite_steps: int, stop_signal, callbacks: list[Callback], state: TrainState,
+                 count_overflow_as_nonfinite: bool = True, exit_interval: Optional[int] = None):
+        self.engine, self.optimizer, self.batches, self.evaluate = engine, optimizer, batches, evaluate
+        self.total_steps, self.accumulation = total_steps, accumulation
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.eval_interval, self.max_nonfinite_steps = eval_interval, max_nonfinite_steps
+        self.stop_signal, self.callbacks, self.state = stop_signal, callbacks, state
+        # fp16 loss scaling skips overflowing steps by design; only non-finite losses count then.
+        self.count_overflow_as_nonfinite = count_overflow_as_nonfinite
+        self.exit_interval = exit_interval
+
+    def _emit(self, event: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, event)(self, *args)
+
+    def fit(self) -> TrainState:
+        self._emit("on_train_start")
+        while self.state.stop_reason is None:
+            if self.state.step >= self.total_steps:
+                self.state.stop_reason = "complete"
+                break
+            metrics, stop = self.train_step()
+            self._emit("on_step_end", metrics)
+            if self.state.step % self.eval_interval == 0 or self.state.step == self.total_steps:
+                self._emit("on_eval", self.evaluate())
+            if stop:
+                self.state.stop_reason = "signal"
+            elif self.exit_interval and self.state.step % self.exit_interval == 0 and self.state.step < self.total_steps:
+                self.state.stop_reason = "exit_interval"
+            elif self.state.nonfinite_streak >= self.max_nonfinite_steps:
+                self.state.stop_reason = "nonfinite"
+        self._emit("on_train_end")
+        return self.state
+
+    def train_step(self) -> tuple[dict[str, float], bool]:
+        start = time.perf_counter()
+        lm_loss, local_bad = 0.0, False
+        aux: dict[str, float] = {}
+        stats: dict[str, float] = {}
+        for micro in range(self.accumulation):
+            inputs, targets = next(self.batches)
+            out = self.engine(inputs.to(self.engine.device), targets.to(self.engine.device))
+            finite = bool(torch.isfinite(out.loss))
+            local_bad |= not finite
+            lm_loss += float(out.lm_loss.detach()) / self.accumulation
+            for k, v in out.aux_losses.items():
+                aux[k] = aux.get(k, 0.0) + float(v.detach()) / self.accumulation
+            for k, v in out.routing_stats.items():
+                stats[k] = stats.get(k, 0.0) + float(v) / self.accumulation
+            if micro == self.accumulation - 1:
+                # One collective per step: mean loss, "any rank non-finite", "any rank asked to stop".
+                loss_sum, n_bad, n_stop = _all_reduce_sum([lm_loss if finite else 0.0, float(local_bad),
+                                                           float(self.stop_signal.requested)])
+                if hasattr(self.optimizer, "nonfinite_loss"):
+                    self.optimizer.nonfinite_loss = n_bad > 0
+            self.engine.backward(out.loss)
+            self.engine.step()
+
+        skipped = not self.engine.was_step_applied() or getattr(self.optimizer, "last_step_skipped", False)
+        bad = n_bad > 0 or (skipped and self.count_overflow_as_nonfinite)
+        s = self.state
+        s.step += 1
+        s.skipped_steps += int(skipped)
+        s.nonfinite_streak = s.nonfinite_streak + 1 if bad else 0
+        s.consumed_samples += self.engine.train_batch_size()
+        s.tokens_seen += self.tokens_per_step
+        s.flops_seen += self.flops_per_token * self.tokens_per_step
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        n_finite = world - n_bad
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics = {
+            "train/loss": loss_sum / n_finite if n_finite else math.nan,
+            "train/lr": self.engine.get_lr()[0],
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "train/skipped_steps": float(s.skipped_steps),
+            "train/tokens_seen": float(s.tokens_seen),
+            "train/flops_seen": s.flops_seen,
+            "perf/step_time_s": time.perf_counter() - start,
+            **{f"aux/{k}": v for k, v in aux.items()},
+            **{f"routing/{k}": v for k, v in stats.items()},
+        }
+        return metrics, n_stop > 0

@@ -1,0 +1,78 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OptimConfig
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that skips a step on every rank together when any rank saw a non-finite loss or grad.
+
+    DeepSpeed's fp16/bf16 and ZeRO-1/2 wrappers already skip on a non-finite global grad norm,
+    but the fp32 ZeRO-0/3 paths step straight into NaN weights. The all-reduced flag makes the
+    skip decision identical on all ranks, whatever wraps this optimizer.
+    """
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.nonfinite_loss = False
+        self.last_step_skipped = False
+        self.overflow = False  # read by DeepSpeed's engine when this is its outermost optimizer
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        bad = self.nonfinite_loss or any(
+            p.grad is not None and not torch.isfinite(p.grad).all() for g in self.param_groups for p in g["params"]
+        )
+        flag = torch.tensor([float(bad)])
+        if dist.is_available() and dist.is_initialized():
+            flag = flag.to(self._device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.nonfinite_loss = False
+        self.last_step_skipped = self.overflow = bool(flag.item())
+        if self.last_step_skipped:
+            self.zero_grad(set_to_none=True)
+            return None
+        return super().step(closure)
+
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return torch.device("cpu")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms, biases and 1-d gains are not decayed."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(cfg: OptimConfig, max_steps: int):
+    """Multiplier on cfg.lr at optimizer step s: linear warmup, then cosine or warmup-stable-decay."""
+    floor = cfg.min_lr / cfg.lr
+
+    def fn(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        if cfg.schedule == "wsd":
+            decay_start = max(cfg.warmup_steps, int(max_steps * (1 - cfg.decay_fraction)))
+            if step < decay_start:
+                return 1.0
+            frac = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+            return 1.0 - (1.0 - floor) * frac
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return fn

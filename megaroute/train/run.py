@@ -1,0 +1,269 @@
+"""`launcher/pretrain.py`: config -> checks -> process group -> model -> engine -> fit.
+
+Everything that can be wrong with the config or data is checked before the process group
+starts, so a bad run fails in seconds with a message naming the key or file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
+from .env import DistEnv, detect_env
+from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
+
+EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
+                   "nonfinite": EXIT_NONFINITE}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Pretrain a dense or routed transformer under DeepSpeed.")
+    p.add_argument("--config", required=True, help="YAML config (may use `base:` inheritance)")
+    # The deepspeed launcher passes --local_rank; the environment carries the same value.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    return p.parse_args(argv)
+
+
+def _git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _peak_flops(cfg: Config, env: DistEnv) -> float:
+    """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak."""
+    from ..flops import peak_flops
+
+    if cfg.train.peak_flops:
+        return cfg.train.peak_flops
+    if env.device == "cpu":
+        return peak_flops("cpu") / int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    return peak_flops(None)
+
+
+def check_data(cfg: Config):
+    """Validates prepared shards against the config (cheap: sizes, vocab, tokenizer hash)."""
+    from ..data.loader import PackedDataset
+
+    index = os.path.join(cfg.data.output_dir, "index.json")
+    if not os.path.isfile(index):
+        return None  # rank 0 prepares it after the process group starts
+    return PackedDataset(cfg.data.output_dir, "train", seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+
+
+def pretrain(cfg: Config, env: DistEnv) -> int:
+    from ..flops import flops_per_token
+    from ..model import build_model
+    from . import engine as ds
+    from .callbacks import MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, SpeedMeter
+    from .checkpoint import CheckpointManager
+    from .loop import Trainer, TrainState
+
+    # ---- checks that need no process group ----
+    dp_size = ds.data_parallel_size(cfg, env.world_size)
+    ds_config = ds.deepspeed_config(cfg, dp_size)
+    check_data(cfg)
+
+    # ---- process group, data, model, engine ----
+    ds.init_distributed(env)
+    dp_rank = env.rank // cfg.parallel.tp
+    run_dir = cfg.run_dir
+    if env.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        with open(os.path.join(run_dir, "ds_config.json"), "w") as f:
+            json.dump(ds_config, f, indent=1)
+        if not os.path.isfile(os.path.join(cfg.data.output_dir, "index.json")):
+            from ..data.prepare import prepare
+
+            print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
+            prepare(cfg.data)
+    dist.barrier()
+    train_set, val_set, tokenizer = _datasets(cfg)
+
+    _seed_everything(cfg.train.seed)
+    model = build_model(cfg.model, cfg.routing)
+    if cfg.checkpoint.init_from:
+        _init_from(model, cfg.checkpoint.init_from)
+    fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    total_steps = _total_steps(cfg, tokens_per_step, fpt)
+    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps)
+    # Per-rank seeds after init so every rank builds the same model but draws its own randomness.
+    _seed_everything(cfg.train.seed + env.rank)
+
+    from ..data.loader import SequenceLoader
+
+    loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
+                            cfg.data.seed)
+    state = TrainState()
+    resumed_run_id = None
+    ckpt_root = os.path.join(run_dir, cfg.checkpoint.dir)
+    manager = CheckpointManager(ckpt_root, cfg.checkpoint.keep_last, env.rank)
+    chash = config_hash(cfg)
+    if cfg.checkpoint.resume != "none":
+        tag = manager.find_resumable(None if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume)
+        if tag is not None:
+            client = manager.load(engine, tag)
+            _check_resume_compat(client, chash, tokenizer.hash, tag)
+            state = TrainState(**{**client["train_state"], "stop_reason": None, "nonfinite_streak": 0})
+            loader.load_state_dict(client["loader"])
+            resumed_run_id = client.get("mlflow_run_id")
+            if env.is_main:
+                print(f"resumed from {os.path.join(ckpt_root, tag)} at step {state.step}", flush=True)
+
+    def client_state() -> dict:
+        return {"train_state": state.state_dict(), "loader": loader.state_dict(), "config_hash": chash,
+                "tokenizer_hash": tokenizer.hash, "mlflow_run_id": tracker.run_id if tracker else None}
+
+    stop = StopSignal().install()
+    tracker = _make_tracker(cfg, env, resumed_run_id, tokenizer) if env.is_main else None
+    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size)]
+    if env.is_main:
+        callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(run_dir, "metrics.jsonl"))]
+    callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))
+    if tracker is not None:
+        callbacks.append(MLflowLogger(tracker, cfg.train.log_interval))
+
+    trainer = Trainer(
+        engine, optimizer, iter(loader), lambda: _evaluate(engine, cfg, val_set, dp_rank, dp_size),
+        total_steps=total_steps, accumulation=ds.grad_accumulation_steps(cfg, dp_size),
+        tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
+        max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
+        count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
+    )
+    try:
+        final = trainer.fit()
+    except BaseException:
+        if tracker is not None:
+            tracker.close("FAILED", timeout=10)
+        raise
+    finally:
+        stop.uninstall()
+    if final.stop_reason == "nonfinite" and env.is_main:
+        print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
+              f"{cfg.train.max_nonfinite_steps}); the last good state is checkpointed in {ckpt_root}", file=sys.stderr)
+    return EXIT_FOR_REASON[final.stop_reason]
+
+
+def _datasets(cfg: Config):
+    from ..data.loader import PackedDataset
+    from ..data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.output_dir)
+    kw = dict(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size, tokenizer_hash=tokenizer.hash)
+    return PackedDataset(cfg.data.output_dir, "train", **kw), PackedDataset(cfg.data.output_dir, "val", **kw), tokenizer
+
+
+def _total_steps(cfg: Config, tokens_per_step: int, flops_per_token: float) -> int:
+    """Stopping rule: the first of max_steps, the token budget and the FLOP budget."""
+    steps = cfg.train.max_steps
+    if cfg.train.max_tokens:
+        steps = min(steps, -(-cfg.train.max_tokens // tokens_per_step))
+    if cfg.train.max_flops:
+        steps = min(steps, int(-(-cfg.train.max_flops // (flops_per_token * tokens_per_step))))
+    return max(1, steps)
+
+
+def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str) -> None:
+    if client.get("tokenizer_hash") not in (None, tokenizer_hash):
+        raise ConfigError("data.output_dir", f"checkpoint {tag} was trained with tokenizer {client['tokenizer_hash']}, "
+                                             f"the prepared data uses {tokenizer_hash}")
+    if client.get("config_hash") not in (None, chash):
+        print(f"warning: resuming {tag} with a changed config (hash {client['config_hash']} -> {chash})", flush=True)
+
+
+def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
+    if not cfg.tracking.enabled:
+        return None
+    from .tracking import MLflowTracker, default_uri
+
+    tags = {"variant": cfg.variant, "size": cfg.size, "seed": str(cfg.train.seed), "git_commit": _git_commit(),
+            "host": socket.gethostname(), "world_size": str(env.world_size), "routing": cfg.routing.method,
+            **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}),
+            **cfg.tracking.tags}
+    tracker = MLflowTracker(cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment, cfg.name,
+                            params=flatten(cfg), tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
+                            run_id=run_id)
+    tracker.log_artifact(os.path.join(cfg.run_dir, "config.yaml"))
+    tracker.log_artifact(os.path.join(cfg.run_dir, "ds_config.json"))
+    tracker.log_artifact(tokenizer.path, "tokenizer")
+    return tracker
+
+
+@torch.no_grad()
+def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[str, float]:
+    """Mean validation loss over a fixed set of batches, in each routing mode the model has."""
+    from ..data.loader import SequenceLoader
+
+    modes = ["topk", "causal"] if cfg.routing.method != "none" else ["topk"]
+    mb = cfg.train.micro_batch_size
+    engine.eval()
+    out = {}
+    for mode in modes:
+        loader = SequenceLoader(val_set, mb, mb * dp_size, dp_rank, dp_size, seed=0)
+        batches = iter(loader)
+        total = 0.0
+        for _ in range(cfg.train.eval_batches):
+            x, y = next(batches)
+            total += float(engine(x.to(engine.device), y.to(engine.device), routing_mode=mode).lm_loss)
+        t = torch.tensor([total / cfg.train.eval_batches], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t)
+            t /= dist.get_world_size()
+        out["val/loss" if mode == "topk" else "val/loss_causal"] = float(t)
+    engine.train()
+    return out
+
+
+def _init_from(model, path: str) -> None:
+    """Loads model weights from a converted or consolidated checkpoint file (strict=False for new modules)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    missing, unexpected = model.load_state_dict(state.get("module", state), strict=False)
+    if unexpected:
+        raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        env = detect_env()
+        return pretrain(cfg, env)
+    except ConfigError as e:
+        print(f"pretrain: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except Exception as e:
+        from ..data import DataError
+
+        if isinstance(e, DataError):
+            print(f"pretrain: data error: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,36 @@
+"""Graceful stop on SIGTERM/SIGUSR1 and the exit codes the Slurm scripts act on."""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0
+EXIT_CONFIG_ERROR = 2        # bad config or data: fix the input, do not requeue
+EXIT_NONFINITE = 3           # too many consecutive non-finite steps: last good state checkpointed
+EXIT_REQUEUE = 75            # stopped by a signal after committing a checkpoint: requeue to resume (EX_TEMPFAIL)
+
+
+class StopSignal:
+    """Records that a stop was requested; the loop agrees on it across ranks at a step boundary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def install(self) -> "StopSignal":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
