@@ -30,7 +30,28 @@ class _Loader(yaml.SafeLoader):
     PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-4` or `optim.lr=3e-4` would
     load as the *string* '1e-4' and be rejected. The dumper shares the resolver so a string
     that looks like such a number (e.g. name '1e5') is quoted and round-trips as a string.
+
+    It also rejects duplicate keys, which PyYAML silently resolves to the last one (a second
+    `model:` block would otherwise drop every key of the first).
     """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable key: let the base class report it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key!r}", key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -82,30 +82,35 @@ class Job:
         return out
 
 
+def start_job(workdir: Path, data_dir: str, config: str = "configs/tiny.yaml", *overrides: str, nprocs: int = 2,
+              launcher: str = "deepspeed", fault: str | None = None, name: str = "t",
+              runs_dir: Path | None = None) -> Job:
+    """Launches launcher/pretrain.py (or the fault-injecting wrapper) on CPU ranks."""
+    script = str(FAULTY if fault else REPO / "launcher/pretrain.py")
+    runs = runs_dir or workdir / "runs"
+    args = ["--config", str(REPO / config), f"name={name}", f"runs_dir={runs}", f"data.output_dir={data_dir}",
+            f"tracking.uri=sqlite:///{runs}/mlflow.db", *FAST, *overrides]
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), script, *args]
+    elif launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), script, *args]
+    else:
+        cmd = [sys.executable, script, *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if fault:
+        env["MEGAROUTE_FAULT"] = fault
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Job(cmd, env, workdir / f"{name}-{time.monotonic_ns()}.log")
+
+
 @pytest.fixture
 def launch(tmp_path, char_data):
     """launch(config, *overrides, nprocs=2, launcher='deepspeed'|'torchrun'|'python', fault=None) -> Job."""
     jobs: list[Job] = []
 
-    def _launch(config: str = "configs/tiny.yaml", *overrides: str, nprocs: int = 2, launcher: str = "deepspeed",
-                fault: str | None = None, name: str = "t", runs_dir: Path | None = None) -> Job:
-        script = str(FAULTY if fault else REPO / "launcher/pretrain.py")
-        runs = runs_dir or tmp_path / "runs"
-        args = ["--config", str(REPO / config), f"name={name}", f"runs_dir={runs}", f"data.output_dir={char_data}",
-                f"tracking.uri=sqlite:///{runs}/mlflow.db", *FAST, *overrides]
-        if launcher == "deepspeed":
-            cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), script, *args]
-        elif launcher == "torchrun":
-            cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), script,
-                   *args]
-        else:
-            cmd = [sys.executable, script, *args]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        if fault:
-            env["MEGAROUTE_FAULT"] = fault
-        job = Job(cmd, env, tmp_path / f"{name}-{len(jobs)}.log")
-        jobs.append(job)
-        return job
+    def _launch(config: str = "configs/tiny.yaml", *overrides: str, **kw) -> Job:
+        jobs.append(start_job(tmp_path, char_data, config, *overrides, **kw))
+        return jobs[-1]
 
     yield _launch
     for job in jobs:

@@ -3,11 +3,14 @@
     nan:RANK:STEP            rank RANK's loss is NaN at optimizer step STEP (1-based)
     kill_in_checkpoint:STEP  rank 0 is SIGKILLed after every rank wrote checkpoint STEP's files,
                              before the manifest and `latest` are written
+    slow:SECONDS             every training forward sleeps (numerics unchanged), so a test can
+                             signal or kill a rank mid-run
 """
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -43,6 +46,17 @@ elif kind == "kill_in_checkpoint":
         return write_manifest(tag_dir, at_step)
 
     checkpoint.write_manifest = killing_write_manifest
+
+elif kind == "slow":
+    delay = float(args[0])
+    forward = transformer.Transformer.forward
+
+    def slow_forward(self, *a, **kw):
+        if self.training:
+            time.sleep(delay)
+        return forward(self, *a, **kw)
+
+    transformer.Transformer.forward = slow_forward
 
 else:
     raise SystemExit(f"unknown MEGAROUTE_FAULT {kind!r}")

@@ -1,0 +1,62 @@
+"""Shared fixtures. Nothing here changes global state outside a fixture's own scope."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaroute.config import Config, load_config
+
+# A small but complete config: every section validates, the model runs in milliseconds on CPU.
+TINY_OVERRIDES = (
+    "name=tiny",
+    "model.vocab_size=97",
+    "model.d_model=32",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.max_seq_len=64",
+    "data.seq_len=32",
+    "data.tokenizer.vocab_size=97",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.max_steps=10",
+    "tracking.enabled=false",
+)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _torch_threads():
+    """The CI machines have 2 cores; more threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _skip_cuda_without_device(request):
+    if request.node.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture
+def make_config():
+    """make_config("routing.method=mod", ...) -> validated tiny Config (overrides applied last)."""
+
+    def make(*overrides: str) -> Config:
+        return load_config(None, [*TINY_OVERRIDES, *overrides])
+
+    return make
+
+
+@pytest.fixture
+def make_model(make_config):
+    """make_model("routing.method=mod", seed=0) -> (model, cfg), built on CPU from the tiny config."""
+    from megaroute.model import build_model
+
+    def make(*overrides: str, seed: int = 0, device: str = "cpu"):
+        cfg = make_config(*overrides)
+        torch.manual_seed(seed)
+        return build_model(cfg.model, cfg.routing, device=device), cfg
+
+    return make

@@ -1,0 +1,162 @@
+"""End-to-end training under the real DeepSpeed launcher on 2 CPU ranks (gloo).
+
+Every comparison of losses is exact (==): fp32 on CPU with 2 ranks is deterministic, so a
+resumed run must reproduce the uninterrupted run bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from megaroute.train.checkpoint import CheckpointManager, verify
+from megaroute.train.signals import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_REQUEUE
+
+from .conftest import losses, read_metrics, start_job, wait_for
+
+pytestmark = pytest.mark.slow
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pretrain")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir, char_data):
+    """Uninterrupted STEPS-step runs, one per ZeRO stage, computed on first use."""
+    cache: dict[int, dict[int, float]] = {}
+
+    def get(stage: int) -> dict[int, float]:
+        if stage not in cache:
+            job = start_job(workdir, char_data, "configs/tiny_mod.yaml", f"train.max_steps={STEPS}",
+                            f"optim.zero_stage={stage}", "checkpoint.interval=1000", name=f"ref_zero{stage}")
+            assert job.wait() == EXIT_OK, job.output()[-3000:]
+            cache[stage] = losses(workdir / "runs" / f"ref_zero{stage}")
+            assert sorted(cache[stage]) == list(range(1, STEPS + 1))
+        return cache[stage]
+
+    return get
+
+
+def _run(workdir, char_data, name, *overrides, **kw):
+    return start_job(workdir, char_data, "configs/tiny_mod.yaml", f"train.max_steps={STEPS}", *overrides,
+                     name=name, **kw)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stop_and_resume_is_bit_identical(workdir, char_data, reference, stage):
+    name = f"resume_zero{stage}"
+    first = _run(workdir, char_data, name, f"optim.zero_stage={stage}", f"train.exit_interval={STEPS // 2}")
+    assert first.wait() == EXIT_REQUEUE, first.output()[-3000:]
+    run_dir = workdir / "runs" / name
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS // 2:08d}"
+    assert sorted(losses(run_dir)) == list(range(1, STEPS // 2 + 1))
+
+    second = _run(workdir, char_data, name, f"optim.zero_stage={stage}")
+    assert second.wait() == EXIT_OK, second.output()[-3000:]
+    assert f"resumed from" in second.output() and f"at step {STEPS // 2}" in second.output()
+    assert losses(run_dir) == reference(stage)
+
+
+def test_kill9_of_a_rank_resumes_from_last_committed_checkpoint(workdir, char_data, reference):
+    name = "kill9"
+    run_dir = workdir / "runs" / name
+    job = _run(workdir, char_data, name, "checkpoint.interval=4", fault="slow:0.2")
+    wait_for(lambda: (run_dir / "checkpoints" / "latest").exists()
+             and (run_dir / "checkpoints" / "latest").read_text() >= "step_00000008", timeout=240)
+    victims = job.rank_pids()
+    assert len(victims) == 2, job.output()[-2000:]
+    os.kill(victims[1], signal.SIGKILL)
+    assert job.wait() != EXIT_OK
+    killed_at = max(losses(run_dir))
+    assert killed_at < STEPS, "the run finished before the kill; slow it down further"
+
+    resumed = _run(workdir, char_data, name, launcher="torchrun")
+    assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
+    assert "resumed from" in resumed.output()
+    assert losses(run_dir) == reference(1)
+
+
+def test_kill_during_checkpoint_write_keeps_previous_latest(workdir, char_data, reference):
+    name = "kill_in_ckpt"
+    ckpts = workdir / "runs" / name / "checkpoints"
+    job = _run(workdir, char_data, name, "checkpoint.interval=4", fault="kill_in_checkpoint:8")
+    assert job.wait() != EXIT_OK
+    assert (ckpts / "latest").read_text() == "step_00000004"
+    assert (ckpts / "step_00000008").is_dir() and verify(str(ckpts / "step_00000008"))  # written, not committed
+
+    resumed = _run(workdir, char_data, name, "checkpoint.interval=4")
+    assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
+    assert "at step 4" in resumed.output()
+    assert losses(workdir / "runs" / name) == reference(1)
+
+    # A truncated or byte-flipped file in the newest checkpoint is detected on load.
+    manager = CheckpointManager(str(ckpts), keep_last=3, rank=0)
+    newest = manager.latest_tag()
+    target = next(p for p in (ckpts / newest).iterdir() if p.name.endswith("optim_states.pt"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="sha256 mismatch"):
+        fallback = manager.find_resumable()
+    assert fallback is not None and fallback < newest
+    with open(target, "r+b") as f:
+        f.truncate(100)
+    assert any("truncated" in p for p in verify(str(ckpts / newest)))
+
+
+def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, reference):
+    name = "sigterm"
+    run_dir = workdir / "runs" / name
+    job = _run(workdir, char_data, name, "checkpoint.interval=1000", fault="slow:0.2")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3, timeout=240)
+    os.kill(job.rank_pids()[1], signal.SIGTERM)  # any rank: the ranks agree on the stop step
+    assert job.wait() == EXIT_REQUEUE, job.output()[-3000:]
+    stopped_at = max(losses(run_dir))
+    assert stopped_at < STEPS
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+
+    resumed = _run(workdir, char_data, name)
+    assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
+    assert losses(run_dir) == reference(1)
+
+
+def test_nonfinite_loss_on_one_rank_skips_the_step_on_all_ranks(workdir, char_data):
+    name = "nan"
+    ckpts = workdir / "runs" / name / "checkpoints"
+    job = _run(workdir, char_data, name, "train.max_steps=5", "checkpoint.interval=1", "checkpoint.keep_last=10",
+               fault="nan:1:3")
+    assert job.wait() == EXIT_OK, job.output()[-3000:]
+    metrics = read_metrics(workdir / "runs" / name)
+    assert [metrics[s]["train/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+
+    def states(step):
+        d = ckpts / f"step_{step:08d}"
+        model = torch.load(d / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        optim = [torch.load(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", weights_only=False)
+                 ["optimizer_state_dict"] for r in (0, 1)]
+        return model, optim
+
+    (m2, o2), (m3, o3), (m4, _) = states(2), states(3), states(4)
+    assert all(torch.equal(m2[k], m3[k]) for k in m2), "parameters changed in the skipped step"
+    for r in (0, 1):  # both ranks' optimizer partitions untouched: every rank skipped
+        assert torch.equal(o2[r]["single_partition_of_fp32_groups"][0], o3[r]["single_partition_of_fp32_groups"][0])
+        assert o2[r]["base_optimizer_state"]["state"][0]["step"] == o3[r]["base_optimizer_state"]["state"][0]["step"]
+    assert not all(torch.equal(m3[k], m4[k]) for k in m3), "training did not continue after the skipped step"
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.n_layer=3", "model.n_layer"),
+    ("train.global_batch_size=6", "train.global_batch_size"),
+])
+def test_bad_config_fails_before_process_groups(workdir, char_data, override, key):
+    job = start_job(workdir, char_data, "configs/tiny.yaml", override, name="bad")
+    assert job.wait(timeout=120) == EXIT_CONFIG_ERROR
+    out = job.output()
+    assert f"config key '{key}'" in out
+    assert "Initializing TorchBackend" not in out and "init_process_group" not in out
