@@ -75,7 +75,9 @@ class Job:
         out = []
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if any("pretrain" in part for part in p.cmdline()) and "--local_rank" in " ".join(p.cmdline()):
+                # A rank runs `python [-u] .../pretrain.py ...`; launchers name the script further along.
+                cmd = p.cmdline()
+                if any(part.endswith("pretrain.py") for part in cmd[:3]):
                     out.append(p.pid)
             except psutil.NoSuchProcess:
                 pass
@@ -83,9 +85,13 @@ class Job:
 
 
 def start_job(workdir: Path, data_dir: str, config: str = "configs/tiny.yaml", *overrides: str, nprocs: int = 2,
-              launcher: str = "deepspeed", fault: str | None = None, name: str = "t",
+              launcher: str = "torchrun", fault: str | None = None, name: str = "t",
               runs_dir: Path | None = None) -> Job:
-    """Launches launcher/pretrain.py (or the fault-injecting wrapper) on CPU ranks."""
+    """Launches launcher/pretrain.py (or the fault-injecting wrapper) on CPU ranks.
+
+    torchrun by default: the deepspeed launcher runs the same script but imports deepspeed twice
+    before the ranks start (~15 s of CPU each job); tests of the launcher itself pass "deepspeed".
+    """
     script = str(FAULTY if fault else REPO / "launcher/pretrain.py")
     runs = runs_dir or workdir / "runs"
     args = ["--config", str(REPO / config), f"name={name}", f"runs_dir={runs}", f"data.output_dir={data_dir}",
@@ -105,7 +111,7 @@ def start_job(workdir: Path, data_dir: str, config: str = "configs/tiny.yaml", *
 
 @pytest.fixture
 def launch(tmp_path, char_data):
-    """launch(config, *overrides, nprocs=2, launcher='deepspeed'|'torchrun'|'python', fault=None) -> Job."""
+    """launch(config, *overrides, nprocs=2, launcher='torchrun'|'deepspeed'|'python', fault=None) -> Job."""
     jobs: list[Job] = []
 
     def _launch(config: str = "configs/tiny.yaml", *overrides: str, **kw) -> Job:

@@ -51,7 +51,8 @@ def _run(workdir, char_data, name, *overrides, **kw):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_stop_and_resume_is_bit_identical(workdir, char_data, reference, stage):
     name = f"resume_zero{stage}"
-    first = _run(workdir, char_data, name, f"optim.zero_stage={stage}", f"train.exit_interval={STEPS // 2}")
+    first = _run(workdir, char_data, name, f"optim.zero_stage={stage}", f"train.exit_interval={STEPS // 2}",
+                 launcher="deepspeed")
     assert first.wait() == EXIT_REQUEUE, first.output()[-3000:]
     run_dir = workdir / "runs" / name
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS // 2:08d}"
@@ -76,7 +77,7 @@ def test_kill9_of_a_rank_resumes_from_last_committed_checkpoint(workdir, char_da
     killed_at = max(losses(run_dir))
     assert killed_at < STEPS, "the run finished before the kill; slow it down further"
 
-    resumed = _run(workdir, char_data, name, launcher="torchrun")
+    resumed = _run(workdir, char_data, name)
     assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
     assert "resumed from" in resumed.output()
     assert losses(run_dir) == reference(1)
@@ -155,7 +156,7 @@ def test_nonfinite_loss_on_one_rank_skips_the_step_on_all_ranks(workdir, char_da
     ("train.global_batch_size=6", "train.global_batch_size"),
 ])
 def test_bad_config_fails_before_process_groups(workdir, char_data, override, key):
-    job = start_job(workdir, char_data, "configs/tiny.yaml", override, name="bad")
+    job = start_job(workdir, char_data, "configs/tiny.yaml", override, name="bad", launcher="deepspeed")
     assert job.wait(timeout=120) == EXIT_CONFIG_ERROR
     out = job.output()
     assert f"config key '{key}'" in out

@@ -1,0 +1,117 @@
+"""Engine overhead: the same model stepped by DeepSpeed (1 process, ZeRO 0) and by a plain loop.
+
+    python -m megaroute.bench.engine [--steps 20] [--models tiny,384]
+
+Both loops do forward, backward, gradient clipping and an AdamW step on the same batches.
+Also reports what MLflow logging costs the loop: the enqueue time per step next to the step.
+Target: engine overhead under 10%, logging under 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ..config import load_config
+from ..model import build_model
+from ..train.env import detect_env
+
+SHAPES = {
+    "tiny": ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "model.max_seq_len=128",
+             "model.vocab_size=128", "data.tokenizer.vocab_size=128"],
+    "384": ["model.d_model=384", "model.n_layers=6", "model.n_heads=6", "data.seq_len=256", "model.max_seq_len=256",
+            "model.vocab_size=8192"],
+}
+
+
+def _median_step(step_fn, batches, warmup: int) -> float:
+    times = []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        step_fn(x, y)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
+    from ..train import engine as ds
+    from ..train.optim import GuardedAdamW, param_groups
+
+    cfg = load_config(None, [*SHAPES[shape], f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+                             "optim.zero_stage=0", "optim.warmup_steps=0"])
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, cfg.model.vocab_size, (batch, cfg.data.seq_len), generator=g),) * 2
+               for _ in range(steps + warmup)]
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.routing)
+    opt = GuardedAdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+
+    def plain_step(x, y):
+        model(x, y).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    plain = _median_step(plain_step, batches, warmup)
+
+    torch.manual_seed(0)
+    engine, _, _ = ds.initialize(build_model(cfg.model, cfg.routing), cfg, ds.deepspeed_config(cfg, 1), steps)
+
+    def engine_step(x, y):
+        engine.backward(engine(x, y).loss)
+        engine.step()
+
+    wrapped = _median_step(engine_step, batches, warmup)
+    return {"shape": shape, "tokens": batch * cfg.data.seq_len, "plain_s": plain, "engine_s": wrapped,
+            "overhead": wrapped / plain - 1.0}
+
+
+def bench_logging(step_s: float, calls: int = 200) -> dict:
+    """Per-step enqueue cost of MLflowTracker (a typical step's ~20 metrics) vs the step time."""
+    from ..train.tracking import MLflowTracker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker = MLflowTracker(f"sqlite:///{tmp}/bench.db", "bench", "bench", params={"a": 1}, tags={},
+                                artifact_root=os.path.join(tmp, "art"))
+        metrics = {f"routing/layer_{i}/selected_frac": 0.125 for i in range(16)}
+        metrics.update({"train/loss": 3.0, "train/lr": 1e-3, "perf/tokens_per_s": 1e4, "perf/mfu": 0.3})
+        t0 = time.perf_counter()
+        for step in range(calls):
+            tracker.log_metrics(metrics, step)
+        per_call = (time.perf_counter() - t0) / calls
+        tracker.close(timeout=60)
+    return {"log_s": per_call, "fraction": per_call / step_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--models", default="tiny,384")
+    args = p.parse_args(argv)
+    env = detect_env()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    from ..train.engine import init_distributed
+
+    init_distributed(env)
+    print(f"{'model':<6} {'tokens/step':>11} {'plain step':>11} {'engine step':>12} {'overhead':>9}")
+    rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models.split(",")]
+    for r in rows:
+        print(f"{r['shape']:<6} {r['tokens']:>11} {r['plain_s'] * 1e3:>9.1f}ms {r['engine_s'] * 1e3:>10.1f}ms "
+              f"{100 * r['overhead']:>8.1f}%  {'OK' if r['overhead'] < 0.10 else 'ABOVE 10% TARGET'}")
+    log = bench_logging(rows[0]["engine_s"])
+    print(f"MLflow logging: {log['log_s'] * 1e6:.0f} us per step = {100 * log['fraction']:.2f}% of the "
+          f"{rows[0]['shape']} step ({'OK' if log['fraction'] < 0.05 else 'ABOVE 5% TARGET'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
