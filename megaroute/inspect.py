@@ -1,0 +1,142 @@
+"""`megaroute inspect --config X [overrides] [--zero-stage N --tp N --dp N --micro-batch N] [--json]`
+
+Builds the model on the meta device (structure only, no memory) and reports parameters
+(total and non-embedding), model FLOPs per token for training and inference with their
+breakdown (megaroute.flops), and per-GPU memory for a ZeRO stage / TP / DP layout
+(megaroute.memory: DeepSpeed's estimators for model states, our activation estimate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from torch import nn
+
+from .config import Config
+from .config.cli import add_config_args
+from .flops import COMPONENTS, config_flops
+from .memory import estimate_memory
+
+# Parameters Megatron-style TP keeps whole on every rank (norms are 1-D and caught by ndim).
+_REPLICATED = ("router", "predictor")
+
+
+def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
+    """Total / non-embedding counts (tied weights once), per-TP-rank count and largest layer."""
+    sharded = sum(p.numel() for name, p in model.named_parameters()
+                  if p.ndim == 2 and not any(r in name for r in _REPLICATED))
+    total = model.num_params()
+    # ZeRO-3 gathers one module's own parameters at a time: DeepSpeed's "largest layer".
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {
+        "total": total,
+        "non_embedding": model.num_params(exclude_embedding=True),
+        "per_tp_rank": total - sharded + -(-sharded // tp),
+        "largest_layer": -(-largest // tp),
+    }
+
+
+def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: int) -> dict:
+    from .model import build_model
+
+    model = build_model(cfg.model, cfg.routing, device="meta")
+    params = param_counts(model, tp)
+    flops = config_flops(cfg)
+    memory = estimate_memory(
+        cfg.model, cfg.routing,
+        params_per_gpu=params["per_tp_rank"], largest_layer_params=params["largest_layer"],
+        seq_len=cfg.data.seq_len, micro_batch=micro_batch, zero_stage=zero_stage, tp=tp, dp=dp,
+        precision=cfg.train.precision, offload_optimizer=cfg.optim.offload_optimizer,
+        offload_params=cfg.optim.offload_params, activation_checkpointing=cfg.parallel.activation_checkpointing,
+    )
+    return {
+        "name": cfg.name, "variant": cfg.variant, "size": cfg.size,
+        "params": params,
+        "flops": {
+            **flops.as_dict(),
+            "inference_per_token": flops.per_token(training=False),
+            "train_per_token": flops.per_token(training=True),
+        },
+        "memory": memory.as_dict(),
+    }
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_report(cfg: Config, info: dict) -> str:
+    m, r, p, f, mem = cfg.model, cfg.routing, info["params"], info["flops"], info["memory"]
+    T = f["seq_len"]
+    lines = [
+        f"{info['name']}  (variant {info['variant']}, size {info['size']})",
+        f"model       d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, ffn {m.ffn_hidden}, "
+        f"vocab {m.vocab_size}, tied embeddings {'yes' if m.tie_embeddings else 'no'}",
+    ]
+    if r.method != "none":
+        routed = [i for i in range(m.n_layers) if r.is_routed(i)]
+        k = f["tokens_per_layer"][routed[0]]
+        lines.append(f"routing     {r.method}: {len(routed)} of {m.n_layers} blocks routed (every {r.every}, "
+                     f"offset {r.offset}), k = {k} of {T} tokens, causal method {r.causal_method}")
+    lines += [
+        f"parameters  total {p['total']:,} ({_si(p['total'])})   non-embedding {p['non_embedding']:,} "
+        f"({_si(p['non_embedding'])})",
+        "",
+        f"FLOPs per token at seq_len {T} (matmuls only, full T x T attention, backward = 2 x forward)",
+        f"  {'component':<14}{'inference':>16}{'train':>16}",
+    ]
+    for name in COMPONENTS:
+        fwd = f["components"][name] / T
+        lines.append(f"  {name:<14}{_si(fwd, 'FLOP'):>16}{_si(3 * fwd, 'FLOP'):>16}")
+    lines.append(f"  {'total':<14}{_si(f['inference_per_token'], 'FLOP'):>16}{_si(f['train_per_token'], 'FLOP'):>16}")
+    if f["recompute"]:
+        lines.append(f"  + activation recomputation {_si(f['recompute'] / T, 'FLOP')} per token (hardware FLOPs)")
+    lines += [
+        f"  per sequence: forward {_si(f['forward'], 'FLOP')}, train {_si(f['train'], 'FLOP')}",
+        "",
+        f"Memory per GPU: ZeRO-{mem['zero_stage']}, TP {mem['tp']}, DP {mem['dp']}, micro-batch "
+        f"{mem['micro_batch']} x {T} tokens, {mem['precision']}"
+        + (", activation checkpointing" if cfg.parallel.activation_checkpointing else ""),
+        f"  parameters on this GPU's TP shard  {p['per_tp_rank']:,}",
+        f"  model states   {_gib(mem['model_states_bytes']):>12}   ({mem['model_states_source']})",
+        f"  activations    {_gib(mem['activation_bytes']):>12}   (megaroute estimate; see megaroute/memory.py)",
+        f"  total          {_gib(mem['total_bytes']):>12}   (+10-20% for temporaries and fragmentation)",
+    ]
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="parameters, FLOPs and memory of a config (meta device, no memory)")
+    add_config_args(p)
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: optim.zero_stage")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: parallel.dp, or 1 if it is 0)")
+    p.add_argument("--micro-batch", type=int, help="sequences per GPU (default: train.micro_batch_size)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    layout = {
+        "zero_stage": cfg.optim.zero_stage if args.zero_stage is None else args.zero_stage,
+        "tp": args.tp or cfg.parallel.tp,
+        "dp": args.dp or cfg.parallel.dp or 1,
+        "micro_batch": args.micro_batch or cfg.train.micro_batch_size,
+    }
+    for key, value in layout.items():
+        if key != "zero_stage" and value < 1:
+            raise SystemExit(f"megaroute inspect: --{key.replace('_', '-')} must be >= 1, got {value}")
+    info = inspect_config(cfg, **layout)
+    print(json.dumps(info, indent=2) if args.json else format_report(cfg, info))
+    return 0
