@@ -38,6 +38,24 @@ def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(tag: str) -> int:
+    return int(TAG_RE.match(tag).group(1))
+
+
+def _fsync_dir(path: str) -> None:
+    """Makes a rename in `path` durable (best effort: some network filesystems refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -45,6 +63,7 @@ def _atomic_write(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _sha256(path: str) -> str:
@@ -79,17 +98,21 @@ def verify(tag_dir: str) -> list[str]:
     if not os.path.isfile(path):
         return [f"{tag_dir}: no {MANIFEST} (checkpoint was never committed)"]
     try:
-        manifest = json.load(open(path))
-    except (OSError, json.JSONDecodeError) as e:
-        return [f"{path}: unreadable manifest ({e})"]
+        with open(path) as f:
+            manifest = json.load(f)
+        entries = [(str(rel), int(meta["size"]), str(meta["sha256"])) for rel, meta in manifest["files"].items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [f"{path}: unreadable manifest ({type(e).__name__}: {e})"]
+    if not entries:
+        return [f"{path}: lists no files"]
     problems = []
-    for rel, meta in manifest["files"].items():
+    for rel, size, sha in entries:
         full = os.path.join(tag_dir, rel)
         if not os.path.isfile(full):
             problems.append(f"{full}: missing")
-        elif os.path.getsize(full) != meta["size"]:
-            problems.append(f"{full}: size {os.path.getsize(full)} != manifest {meta['size']} (truncated?)")
-        elif _sha256(full) != meta["sha256"]:
+        elif os.path.getsize(full) != size:
+            problems.append(f"{full}: size {os.path.getsize(full)} != manifest {size} (truncated?)")
+        elif _sha256(full) != sha:
             problems.append(f"{full}: sha256 mismatch (corrupted)")
     return problems
 
@@ -114,6 +137,7 @@ class CheckpointManager:
         self.root = root
         self.keep_last = keep_last
         self.rank = rank
+        self.loaded_tag: Optional[str] = None  # the tag `load` restored, if any
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -127,15 +151,41 @@ class CheckpointManager:
         return [n for _, n in sorted(found)]
 
     def latest_tag(self) -> Optional[str]:
+        """The tag `latest` names; None when there is none (or it is not one of our tags)."""
         path = os.path.join(self.root, LATEST)
-        return open(path).read().strip() if os.path.isfile(path) else None
+        try:
+            with open(path) as f:
+                tag = f.read().strip()
+        except OSError:
+            return None
+        return tag if TAG_RE.match(tag) else None
+
+    def _committed(self, tag: str) -> bool:
+        return os.path.isfile(os.path.join(self.root, tag, MANIFEST))
 
     def save(self, engine, step: int, client_state: dict) -> str:
         """Collective: every rank must call it at the same step."""
         tag = tag_for(step)
         tag_dir = os.path.join(self.root, tag)
+        if tag == self.loaded_tag:
+            # Resumed at this very step and stopping before training one (e.g. the run was already
+            # complete): the intact checkpoint we loaded holds exactly this state. Rewriting it would
+            # delete what may be the only good checkpoint while the new copy is being written.
+            if self.rank == 0 and self.latest_tag() != tag:
+                _atomic_write(os.path.join(self.root, LATEST), tag)
+            self._barrier()
+            return tag
         if self.rank == 0 and os.path.isdir(tag_dir):
-            shutil.rmtree(tag_dir)  # an uncommitted leftover of the same step
+            if self._committed(tag) and self.latest_tag() == tag:
+                # Replacing the committed checkpoint `latest` names (e.g. after resuming from an older
+                # one): point `latest` at the previous committed one first, so a crash mid-save
+                # leaves it at a complete checkpoint rather than at a half-written directory.
+                older = [t for t in self.tags() if _step_of(t) < step and self._committed(t)]
+                if older:
+                    _atomic_write(os.path.join(self.root, LATEST), older[-1])
+                else:
+                    os.remove(os.path.join(self.root, LATEST))
+            shutil.rmtree(tag_dir)  # a leftover (or a replaced checkpoint) of the same step
         self._barrier()
         engine.save_checkpoint(self.root, tag=tag, client_state=client_state, save_latest=False)
         torch.save(rng_state(), os.path.join(tag_dir, f"rank_{self.rank:05d}.pt"))
@@ -149,11 +199,11 @@ class CheckpointManager:
 
     def _apply_retention(self, latest: str) -> None:
         tags = self.tags()
-        committed = [t for t in tags if os.path.isfile(os.path.join(self.root, t, MANIFEST))]
+        committed = [t for t in tags if self._committed(t)]
         keep = set(committed[-self.keep_last:]) | {latest}
-        latest_step = int(TAG_RE.match(latest).group(1))
+        latest_step = _step_of(latest)
         for t in tags:
-            uncommitted_leftover = t not in committed and int(TAG_RE.match(t).group(1)) < latest_step
+            uncommitted_leftover = t not in committed and _step_of(t) < latest_step
             if (t in committed and t not in keep) or uncommitted_leftover:
                 shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
 
@@ -176,11 +226,11 @@ class CheckpointManager:
                 warnings.warn(f"checkpoint {tag}: {p}", stacklevel=2)
             return None if problems else tag
         latest = self.latest_tag()
-        candidates = [t for t in reversed(self.tags()) if latest is None or t <= latest]
+        candidates = [t for t in reversed(self.tags()) if latest is None or _step_of(t) <= _step_of(latest)]
         for tag in candidates:
             problems = verify(os.path.join(self.root, tag))
             if not problems:
-                if tag != latest:
+                if latest is not None and tag != latest:
                     warnings.warn(f"resuming from {tag}: the newer checkpoint {latest} is not usable", stacklevel=2)
                 return tag
             if os.path.isfile(os.path.join(self.root, tag, MANIFEST)):
@@ -198,4 +248,5 @@ class CheckpointManager:
             set_rng_state(torch.load(rng_path, weights_only=False))
         else:
             warnings.warn(f"{rng_path} missing (world size changed?); RNG state not restored", stacklevel=2)
+        self.loaded_tag = tag
         return client_state or {}

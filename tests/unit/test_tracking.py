@@ -1,0 +1,375 @@
+"""MLflowTracker against a local SQLite store and against servers that are down or hang.
+
+Read-back goes through `mlflow.tracking.MlflowClient`, the way a user would see the run. One
+SQLite store per module: creating its tables costs seconds, runs in it cost milliseconds.
+The default tracker runs MLflow in a child process (each costs an `import mlflow`, seconds
+here), so the engine's own policies (buffering, backoff, close) are tested in process
+(`in_process=True`) and the process boundary by a few end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import megaroute.train.tracking as tracking
+from megaroute.train.tracking import MLflowTracker
+
+pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_mlflow_env():
+    """An in-process tracker sets MLFLOW_* defaults process-wide; keep other tests' environment."""
+    keys = [*tracking._MLFLOW_ENV, *tracking._CHILD_ENV]
+    saved = {k: os.environ.get(k) for k in keys}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    MlflowClient(tracking_uri=uri).search_experiments()  # creates the tables once
+    return uri, root
+
+
+@pytest.fixture
+def closed_uri() -> str:
+    """http://127.0.0.1:<port> where nothing listens (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def make(uri, root, name, **kw) -> MLflowTracker:
+    kw.setdefault("params", {"model.d_model": 64, "train.lr": 1e-3, "checkpoint.init_from": None})
+    kw.setdefault("tags", {"variant": "mod", "world_size": 2})
+    kw.setdefault("in_process", True)
+    return MLflowTracker(uri, "unit", name, artifact_root=str(root / "artifacts"), **kw)
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def _rng_states():
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
+
+
+def _time_1000_calls(tracker) -> float:
+    """Best of 3 rounds of 1000 calls: the machine is shared, a descheduled round says nothing."""
+    rounds = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for step in range(1000):
+            tracker.log_metrics({"train/loss": 1.0, "train/lr": 1e-3, "perf/mfu": 0.1}, step)
+        rounds.append(time.perf_counter() - t0)
+    return min(rounds)
+
+
+# ---------------------------------------------------------------- read back (child process)
+
+
+def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
+    uri, root = store
+    (tmp_path / "config.yaml").write_text("model:\n  d_model: 64\n")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    rng_before = _rng_states()
+
+    tracker = make(uri, root, "readback", in_process=False)
+    for step in range(1, 6):
+        tracker.log_metrics({"train/loss": 1.0 / step, "perf/mfu": 0.01 * step,
+                             "routing/layer_1/selected_frac": torch.tensor(0.125)}, step)  # tensors are fine
+    tracker.log_metrics({"val/loss": 0.5, "bogus": "not a number"}, 5)  # dropped, nothing else is
+    tracker.log_metrics({"val/best_loss": 0.5}, 5)
+    tracker.set_tags({"git_commit": "abc123"})
+    tracker.log_artifact(str(tmp_path / "config.yaml"))
+    tracker.log_artifact(str(tok), "tokenizer")  # a directory
+    tracker.log_artifact(str(tmp_path / "missing.txt"))  # skipped with a warning, not fatal
+    wait_until(lambda: tracker.run_id is not None)
+    os.kill(tracker.proc.pid, signal.SIGTERM)  # a scheduler signals the whole job: the child waits for close()
+    time.sleep(0.2)
+    assert tracker.proc.poll() is None
+    assert tracker.close() is True
+    assert tracker.proc.returncode == 0
+    assert _rng_states() == rng_before, "tracking must not consume the training RNGs"
+    assert "missing.txt does not exist" in capfd.readouterr().err
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "readback"
+    assert run.data.params == {"model.d_model": "64", "train.lr": "0.001", "checkpoint.init_from": "None"}
+    assert run.data.tags["variant"] == "mod" and run.data.tags["world_size"] == "2"
+    assert run.data.tags["git_commit"] == "abc123"
+    history = client.get_metric_history(tracker.run_id, "train/loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(s, 1.0 / s) for s in range(1, 6)]
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "routing/layer_1/selected_frac")] == [1, 2, 3, 4, 5]
+    assert run.data.metrics["val/loss"] == 0.5 and run.data.metrics["val/best_loss"] == 0.5
+    assert "bogus" not in run.data.metrics and tracker.dropped_metrics == 1
+    assert sorted(a.path for a in client.list_artifacts(tracker.run_id)) == ["config.yaml", "tokenizer"]
+    assert [a.path for a in client.list_artifacts(tracker.run_id, "tokenizer")] == ["tokenizer/tokenizer.json"]
+
+
+@pytest.mark.parametrize("status", ["KILLED", "FAILED"])
+def test_close_marks_the_run(store, status):
+    uri, root = store
+    tracker = make(uri, root, f"status-{status}")
+    tracker.log_metrics({"train/loss": 1.0}, 1)
+    assert tracker.close(status) is True
+    assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == status
+    tracker.log_metrics({"train/loss": 2.0}, 2)  # after close: ignored, not queued forever
+    assert tracker._engine._queue.qsize() == 0
+
+
+def test_training_process_killed_marks_the_run_failed(store, tmp_path):
+    """kill -9 of the training process: the tracking process sees its pipe close and marks FAILED."""
+    uri, root = store
+    script = (
+        "import sys, time\n"
+        "from megaroute.train.tracking import MLflowTracker\n"
+        f"t = MLflowTracker({uri!r}, 'unit', 'crashed', {{}}, {{}}, {str(root)!r})\n"
+        "t.log_metrics({'train/loss': 1.0}, 1)\n"
+        "while t.run_id is None: time.sleep(0.05)\n"
+        "print(t.run_id, t.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id, child_pid = trainer.stdout.readline().split()
+        trainer.kill()
+        trainer.wait()
+        child = psutil.Process(int(child_pid))
+        child.wait(30)  # it marks the run and exits by itself
+    finally:
+        trainer.kill()
+    run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert [m.value for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")] == [1.0]
+
+
+def test_resume_continues_the_run_even_if_params_changed(store, recwarn):
+    uri, root = store
+    first = make(uri, root, "resumed")
+    first.log_metrics({"train/loss": 3.0}, 1)
+    assert first.close("KILLED")
+    # The resumed job changed a param (MLflow params are immutable): metrics must still arrive.
+    second = make(uri, root, "resumed", run_id=first.run_id,
+                  params={"model.d_model": 64, "train.lr": 5e-4, "checkpoint.init_from": None, "new.key": 1})
+    second.log_metrics({"train/loss": 2.0}, 2)
+    assert second.close() is True
+    assert any("params changed" in str(w.message) and "train.lr" in str(w.message) for w in recwarn)
+    assert second.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.lr"] == "0.001" and run.data.params["new.key"] == "1"
+    assert run.data.tags["params_changed_on_resume"] == "train.lr"
+    assert [m.step for m in client.get_metric_history(first.run_id, "train/loss")] == [1, 2]
+
+
+def test_resume_with_an_unknown_run_id_starts_a_new_run(store, recwarn):
+    uri, root = store
+    tracker = make(uri, root, "orphan", run_id="0" * 32)  # e.g. a checkpoint logged to another store
+    tracker.log_metrics({"train/loss": 1.0}, 1)
+    assert tracker.close() is True
+    assert any("not found" in str(w.message) for w in recwarn)
+    assert tracker.run_id != "0" * 32
+    assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+# ---------------------------------------------------------------- servers that are down or hang
+
+
+def test_unreachable_server_never_blocks_or_raises(closed_uri, tmp_path, capfd):
+    tracker = make(closed_uri, tmp_path, "offline", in_process=False, retry_seconds=0.2)
+    first = _time_1000_calls(tracker)  # while the tracking process starts and makes its first attempt
+    wait_until(lambda: tracker.failures > 0)
+    assert "Connection refused" in tracker.last_error
+    steady = _time_1000_calls(tracker)  # during the outage: retrying with backoff
+    print(f"\n1000 log_metrics calls with the server down: {first * 1e3:.2f} ms while it starts, "
+          f"{steady * 1e3:.2f} ms while retrying")
+    assert first < 0.05 and steady < 0.05
+    t0 = time.perf_counter()
+    assert tracker.close(timeout=10.0) is False
+    # Already down before close() and still down: it gives up at once instead of using the 10 s.
+    assert time.perf_counter() - t0 < 3.0
+    assert tracker.proc.returncode == 0  # it exited by itself, nothing is left running
+    err = capfd.readouterr().err
+    assert "buffering and retrying" in err and "giving up" in err
+
+
+def test_tracking_process_death_never_reaches_training(closed_uri, tmp_path):
+    tracker = make(closed_uri, tmp_path, "dead", in_process=False)
+    tracker.proc.kill()
+    tracker.proc.wait()
+    for step in range(100):  # neither raise nor block; the feeder notices the broken pipe
+        tracker.log_metrics({"train/loss": 1.0}, step)
+    t0 = time.perf_counter()
+    assert tracker.close(timeout=5) is False
+    assert time.perf_counter() - t0 < 3.0
+
+
+def test_server_that_never_answers_does_not_stall_logging(tmp_path, monkeypatch, recwarn):
+    """A server that accepts connections but never replies, with the engine in this process (the
+    harder case): its thread sits in a request until MLFLOW_HTTP_REQUEST_TIMEOUT; log calls must
+    not notice and close() must keep its deadline."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)  # never accept(): connects succeed, requests hang
+        tracker = make(f"http://127.0.0.1:{hole.getsockname()[1]}", tmp_path, "blackhole")
+        time.sleep(0.5)  # the worker is now blocked in its first request
+        elapsed = _time_1000_calls(tracker)
+        print(f"\n1000 log_metrics calls while the worker hangs in a request: {elapsed * 1e3:.2f} ms")
+        assert elapsed < 0.05
+        t0 = time.perf_counter()
+        assert tracker.close(timeout=0.5) is False
+        assert time.perf_counter() - t0 < 1.5
+        tracker._engine._thread.join(10)  # ends once its request times out
+        assert not tracker._engine._thread.is_alive()
+
+
+def test_close_gives_up_at_once_on_a_server_never_reached(closed_uri, tmp_path, recwarn):
+    tracker = make(closed_uri, tmp_path, "never")
+    tracker.log_metrics({"train/loss": 1.0}, 1)
+    t0 = time.perf_counter()
+    assert tracker.close(timeout=20.0) is False  # a short job that ends before the first attempt failed
+    assert time.perf_counter() - t0 < 5.0
+    assert any("giving up" in str(w.message) for w in recwarn)
+
+
+def test_slow_server_is_retried_until_the_close_deadline(store, monkeypatch, recwarn):
+    """Timeouts are not 'nobody listens': close() keeps retrying (briefly) instead of giving up."""
+    uri, root = store
+    real_flush, calls = tracking._Engine._flush, []
+
+    def flaky_flush(self, client):
+        calls.append(time.monotonic())
+        if len(calls) <= 3:
+            raise TimeoutError("Read timed out. (read timeout=20)")
+        return real_flush(self, client)
+
+    monkeypatch.setattr(tracking._Engine, "_flush", flaky_flush)
+    tracker = make(uri, root, "slow", retry_seconds=0.2)
+    tracker.log_metrics({"train/loss": 1.0}, 1)
+    wait_until(lambda: tracker.failures >= 1)
+    assert tracker.close(timeout=30) is True
+    assert len(calls) >= 4 and tracker.failures == 0
+    assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_close_times_out_without_hanging(closed_uri, tmp_path, monkeypatch):
+    # A worker stuck in a request (here: its first attempt takes 1.5 s) is abandoned at the deadline.
+    monkeypatch.setattr(tracking._Engine, "_flush", lambda self, client: time.sleep(1.5))
+    tracker = make(closed_uri, tmp_path, "stuck")
+    t0 = time.perf_counter()
+    assert tracker.close(timeout=0.3) is False
+    assert time.perf_counter() - t0 < 1.0
+    tracker._engine._thread.join(10)  # it notices the deadline once the stuck call returns
+    assert not tracker._engine._thread.is_alive()
+
+
+def test_buffer_is_bounded_and_drops_oldest(closed_uri, tmp_path, monkeypatch, recwarn):
+    monkeypatch.setattr(tracking, "MAX_BUFFERED_METRICS", 100)
+    tracker = make(closed_uri, tmp_path, "bounded", retry_seconds=60, flush_seconds=0.1)
+    engine = tracker._engine
+    for step in range(1, 61):
+        tracker.log_metrics({"a": step, "b": step, "c": step}, step)  # 180 points
+    wait_until(lambda: tracker.dropped_metrics >= 80 and engine._queue.qsize() == 0, timeout=30)
+    assert tracker.dropped_metrics == 80
+    assert len(engine._metrics) == 100
+    assert min(step for *_, step in engine._metrics) > 60 - 100 // 3 - 1  # the newest points are kept
+    monkeypatch.setattr(tracking, "MAX_QUEUED_ITEMS", 0)  # a worker that cannot keep up: drop at enqueue
+    tracker.log_metrics({"a": 1.0, "b": 2.0}, 61)
+    assert tracker.dropped_metrics == 82
+    tracker.close(timeout=0.5)
+
+
+# ---------------------------------------------------------------- cost
+
+
+def _thread_cpu(native_ids) -> float:
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in native_ids)
+
+
+def _simulated_steps(n: int, step_s: float, tracker=None, metrics=None) -> tuple[list[float], list[float]]:
+    """n steps of ~step_s of torch compute (GIL released in the ops, as in training), each followed by
+    a log_metrics call when a tracker is given. Returns (step times incl. logging, logging times)."""
+    a = torch.randn(128, 128)
+    step_times, log_times = [], []
+    for step in range(1, n + 1):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < step_s:
+            a = torch.tanh(a @ a) * 0.5
+        t1 = time.perf_counter()
+        if tracker is not None:
+            tracker.log_metrics(dict(metrics, **{"train/loss": 2.0 / step}), step)
+        t2 = time.perf_counter()
+        step_times.append(t2 - t0)
+        log_times.append(t2 - t1)
+    return step_times, log_times
+
+
+def test_logging_cost_is_under_5_percent_of_a_step(store):
+    """Logging cost on the training process vs a simulated 20 ms step while the tracking process
+    really writes to SQLite: every step logs 25 metrics (log_interval=1, the worst case), flushed
+    every second. Asserted: the enqueue cost. Printed too: the CPU of this process's helper
+    threads, the tracking process's CPU, and the step time with and without tracking."""
+    uri, root = store
+    metrics = {f"routing/layer_{i}/selected_frac": 0.125 for i in range(20)}
+    metrics.update({"train/loss": 2.0, "train/lr": 1e-3, "perf/tokens_per_s": 1e4, "perf/mfu": 0.1, "train/grad_norm": 1})
+    steps, step_s = 100, 0.020
+    baseline, _ = _simulated_steps(steps, step_s)  # the same compute without tracking
+
+    class Deque:  # control: the same call appending to a deque; what it costs is this machine's noise floor
+        def __init__(self):
+            self.items = collections.deque()
+
+        def log_metrics(self, values, step):
+            self.items.append(("metrics", (dict(values), step, int(time.time() * 1000))))
+
+    _, floor = _simulated_steps(steps, step_s, Deque(), metrics)
+    tracker = make(uri, root, "cost", in_process=False, flush_seconds=1.0)
+    wait_until(lambda: tracker.run_id is not None)  # the one-time start (import mlflow, create the run)
+    helpers = {tracker._feeder.native_id, tracker._reader.native_id}
+    child = psutil.Process(tracker.proc.pid)
+    cpu0, child0 = _thread_cpu(helpers), sum(child.cpu_times()[:2])
+    step_times, log_times = _simulated_steps(steps, step_s, tracker, metrics)
+    helper_cpu, child_cpu = _thread_cpu(helpers) - cpu0, sum(child.cpu_times()[:2]) - child0
+    assert tracker.close() is True
+    mean_log, mean_step = sum(log_times) / steps, sum(step_times) / steps
+    share = mean_log / mean_step
+    p50, p99 = sorted(log_times)[steps // 2], sorted(log_times)[int(0.99 * steps) - 1]
+    print(f"\nlogging cost: enqueue {mean_log * 1e6:.1f} us/step mean (median {p50 * 1e6:.1f} us, p99 "
+          f"{p99 * 1e6:.0f} us) = {100 * share:.3f}% of a {mean_step * 1e3:.1f} ms step; feeder+status threads "
+          f"{helper_cpu / steps * 1e6:.0f} us CPU/step; tracking process {child_cpu / steps * 1e3:.2f} ms CPU/step "
+          f"(another process); mean step {sum(baseline) / steps * 1e3:.1f} ms without tracking, "
+          f"{mean_step * 1e3:.1f} ms with; control (append to a deque): {sum(floor) / steps * 1e6:.1f} us/step mean, "
+          f"median {sorted(floor)[steps // 2] * 1e6:.1f} us")
+    assert share < 0.05
+    history = MlflowClient(tracking_uri=uri).get_metric_history(tracker.run_id, "train/loss")
+    assert len(history) == steps
