@@ -13,6 +13,9 @@ import time
 from .config import load_config
 
 RUNS = (("dense", "configs/tiny.yaml"), ("mod", "configs/tiny_mod.yaml"))
+# Short enough that install + both runs fit in 10 minutes on 2 cores, long enough that the
+# character-level loss is well below the unigram baseline (~3.3 nats).
+DEMO_OVERRIDES = ["train.max_steps=120", "train.eval_interval=40", "optim.warmup_steps=20", "checkpoint.interval=60"]
 
 
 def _launch(config: str, name: str, nprocs: int, overrides: list[str]) -> None:
@@ -50,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     for variant, config in RUNS:
         name = f"demo_{variant}"
-        cfg = load_config(config, [f"name={name}", *args.overrides])
+        overrides = [*DEMO_OVERRIDES, *args.overrides]
+        cfg = load_config(config, [f"name={name}", *overrides])
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        _launch(config, name, args.nprocs, args.overrides)
+        _launch(config, name, args.nprocs, overrides)
         rows.append((variant, _summary(cfg, name)))
     print(f"\nmegaroute demo: dense vs Mixture-of-Depths on tinyshakespeare ({time.time() - start:.0f}s)\n")
     header = f"{'variant':<8} {'val loss':>9} {'val (causal)':>12} {'tokens/s':>10} {'FLOPs/token':>12} {'MFU':>7}"
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     dense, mod = rows[0][1], rows[1][1]
     print(f"\nMoD/dense: FLOPs per token x{mod['flops_per_token'] / dense['flops_per_token']:.3f}, "
           f"throughput x{mod['tokens_per_s'] / max(dense['tokens_per_s'], 1e-9):.3f}. "
-          f"Runs are in MLflow: mlflow ui --backend-store-uri {os.path.join(cfg.runs_dir, 'mlflow.db')}")
+          f"Runs are in MLflow: mlflow ui --backend-store-uri sqlite:///{os.path.join(cfg.runs_dir, 'mlflow.db')}")
     return 0
 
 

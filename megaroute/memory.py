@@ -101,6 +101,8 @@ def activation_bytes(
     activation_checkpointing: bool = False,
 ) -> int:
     """Bytes autograd keeps for backward for one micro-batch on one GPU (see module docstring)."""
+    if routing.method not in ("none", "mod"):
+        raise NotImplementedError(f"activation memory for routing.method {routing.method!r} is not modeled")
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
 
