@@ -96,14 +96,17 @@ def test_chunk_size_grows_with_the_corpus():
     assert chunk_bytes_for(1 << 40) == 4 << 20  # capped
 
 
-def test_byte_identical_for_any_num_workers_and_on_rerun(tmp_path, corpus, monkeypatch):
-    one = prep.prepare(config(corpus, tmp_path / "one", shard_tokens=40_000), progress=False)
+@pytest.mark.parametrize("tokenizer", [TokenizerConfig(kind="char"), TokenizerConfig(vocab_size=400, model_type="unigram")],
+                         ids=["char", "sentencepiece"])
+def test_byte_identical_for_any_num_workers_and_on_rerun(tmp_path, corpus, monkeypatch, tokenizer):
+    one = prep.prepare(config(corpus, tmp_path / "one", shard_tokens=40_000, tokenizer=tokenizer), progress=False)
     monkeypatch.setattr(prep, "MIN_BYTES_PER_WORKER", 1)  # force the process pool on a small corpus
-    two = prep.prepare(config(corpus, tmp_path / "two", num_workers=2, shard_tokens=40_000), progress=True)
+    two = prep.prepare(config(corpus, tmp_path / "two", num_workers=2, shard_tokens=40_000, tokenizer=tokenizer),
+                       progress=True)
     assert one == two
     assert dir_bytes(tmp_path / "one") == dir_bytes(tmp_path / "two")
     before = dir_bytes(tmp_path / "one")
-    prep.prepare(config(corpus, tmp_path / "one", shard_tokens=40_000), progress=False)
+    prep.prepare(config(corpus, tmp_path / "one", shard_tokens=40_000, tokenizer=tokenizer), progress=False)
     assert dir_bytes(tmp_path / "one") == before
 
 
