@@ -1,10 +1,12 @@
 """MLflow tracking from rank 0, in a helper process.
 
-The training process only appends to an in-memory queue (microseconds, never blocks, never
-raises). A feeder thread hands the queue to a child process every `feed_seconds`; the child runs
-the MLflow client (`_Engine`). Keeping MLflow out of the training process matters: importing it
-takes seconds, and its SQLAlchemy store spends ~0.3-0.7 ms of Python per metric point; in a
-thread of the training process all of that would compete with the training loop for the GIL.
+The MLflow client (`_Engine`) runs in a child process. The training process runs no thread for
+it: a log call appends to a list (microseconds; never blocks, never raises), and every
+`feed_seconds` one of them pickles the list and writes it to the child's pipe without blocking.
+Keeping MLflow out of the training process matters: importing it takes seconds, and its
+SQLAlchemy store spends ~0.3-0.7 ms of Python per metric point; in a thread of the training
+process all of that would compete with the training loop for the GIL (and for the GIL holder's
+core: a descheduled holder stalls the training thread for a whole time slice).
 
 The engine creates the run and sends batches (one round per `flush_seconds`). When the tracking
 server is unreachable or failing it warns once per outage, keeps the data buffered (bounded: the
@@ -22,7 +24,6 @@ once the training process is gone.
 
 from __future__ import annotations
 
-import collections
 import os
 import pickle
 import queue
@@ -64,6 +65,41 @@ def _is_unreachable(e: BaseException) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+def _create_sqlite_store(uri: str) -> None:
+    """Creates a fresh SQLite store under a temporary name and links it into place when complete.
+
+    MLflow creates and migrates a new SQLite file in place; a process killed meanwhile (a job
+    killed in its first seconds, or a tracking process stopped at close()'s deadline) leaves a
+    half-migrated file that MLflow can never open again ("table ... already exists"), and so
+    breaks tracking for every later run in that directory. Best effort: any problem here falls
+    back to MLflow's own creation.
+    """
+    if not uri.startswith("sqlite:///"):
+        return
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    if not path or path == ":memory:" or os.path.exists(path):
+        return
+    tmp = f"{path}.init-{os.getpid()}-{threading.get_ident()}"
+    try:
+        from mlflow.store.db.utils import _initialize_tables, create_sqlalchemy_engine_with_retry
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        engine = create_sqlalchemy_engine_with_retry(f"sqlite:///{tmp}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.link(tmp, path)  # never replaces: if another process won the race, its file stays
+    except Exception:  # noqa: BLE001 - e.g. FileExistsError, or a MLflow without these helpers
+        pass
+    finally:
+        for leftover in (tmp, f"{tmp}-journal"):
+            try:
+                os.remove(leftover)
+            except OSError:
+                pass
 
 
 def _is_permanent(e: BaseException) -> bool:
@@ -163,7 +199,7 @@ class _Engine:
     def _worker(self) -> None:
         client = None
         closing: Optional[str] = None
-        outage_at_close = False
+        outage_at_close = terminated = False
         next_attempt = time.monotonic()
         while True:
             # Wake up only to send (or to retry), to absorb the queue every flush_seconds (so it stays
@@ -200,10 +236,16 @@ class _Engine:
                 if client is None:
                     from mlflow.tracking import MlflowClient
 
+                    _create_sqlite_store(self.uri)
                     client = MlflowClient(tracking_uri=self.uri)
                 self._flush(client)
-                if closing is not None:
+                if closing is not None and not terminated:
+                    # The status before the artifacts: a job that ends before the tracker caught up
+                    # (a slow server) should at least leave its run marked.
                     client.set_terminated(self.run_id, status=closing)
+                    terminated = True
+                self._flush_artifacts(client)
+                if closing is not None:
                     self.failures, self._close_ok = 0, True
                     return
             except Exception as e:  # noqa: BLE001 - any tracking failure must stay out of training
@@ -300,6 +342,8 @@ class _Engine:
         self._run_ready = True
 
     def _flush(self, client) -> None:
+        """Sends params, tags and metrics, as few requests as MLflow's limits allow (one for a
+        typical flush: up to 100 params, 100 tags and 1000 entities in all per request)."""
         from mlflow.entities import Metric, Param, RunTag
 
         self._ensure_run(client)
@@ -310,17 +354,28 @@ class _Engine:
                 self._warn("MLflow params changed since this run was started; keeping the old values for "
                            + ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in sorted(changed.items())[:20]))
                 self._tags.setdefault("params_changed_on_resume", ",".join(sorted(changed))[:5000])
-            items = [Param(k, v[:6000]) for k, v in self._params.items() if k not in self._existing_params]
-            self._send(items, 100, lambda batch: client.log_batch(self.run_id, params=batch), "param")
-            self._params = {}
-        if self._tags:
-            items = [RunTag(k, v) for k, v in self._tags.items()]
-            self._send(items, 100, lambda batch: client.log_batch(self.run_id, tags=batch), "tag")
-            self._tags = {}
-        while self._metrics:
-            batch = [Metric(k, v, ts, step) for k, v, ts, step in self._metrics[:_BATCH]]
-            self._send(batch, _BATCH, lambda b: client.log_batch(self.run_id, metrics=b), "metric")
-            del self._metrics[:len(batch)]
+            self._params = {k: v for k, v in self._params.items() if k not in self._existing_params}
+        while self._params or self._tags or self._metrics:
+            params = [Param(k, v[:6000]) for k, v in list(self._params.items())[:100]]
+            tags = [RunTag(k, v) for k, v in list(self._tags.items())[:100]]
+            room = _BATCH - len(params) - len(tags)
+            metrics = [Metric(k, v, ts, step) for k, v, ts, step in self._metrics[:room]]
+            try:
+                client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags)
+            except Exception as e:  # noqa: BLE001
+                if not _is_permanent(e):
+                    raise
+                # Something in it was rejected: send each kind on its own, skipping what is rejected alone.
+                self._send(params, 100, lambda b: client.log_batch(self.run_id, params=b), "param")
+                self._send(tags, 100, lambda b: client.log_batch(self.run_id, tags=b), "tag")
+                self._send(metrics, _BATCH, lambda b: client.log_batch(self.run_id, metrics=b), "metric")
+            for p in params:
+                del self._params[p.key]
+            for t in tags:
+                self._tags.pop(t.key, None)
+            del self._metrics[:len(metrics)]
+
+    def _flush_artifacts(self, client) -> None:
         while self._artifacts:
             path, artifact_path = self._artifacts[0]
             try:
@@ -398,36 +453,39 @@ def _child_main(status_fd: int) -> None:
     signaled = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: signaled.append(signum))
+    os.set_blocking(status_fd, False)  # the training process reads it only now and then
     reader = _FrameReader(sys.stdin.fileno())
     engine: Optional[_Engine] = None
     sent: dict = {}
 
-    def report() -> None:
+    def report(final: bool = False) -> None:
         nonlocal sent
         if engine is None:
             return
         status = {"run_id": engine.run_id, "failures": engine.failures, "last_error": engine.last_error,
                   "dropped": engine.dropped_metrics, "close_ok": engine._close_ok}
-        if status != sent:
-            try:
-                _write_frame(status_fd, status)
-            except OSError:
-                pass
+        if status == sent and not final:
+            return
+        try:
+            if final:
+                os.set_blocking(status_fd, True)  # close() is reading it now
+            _write_frame(status_fd, status)
             sent = status
+        except BlockingIOError:
+            pass  # pipe full: the next report carries the then-current state
+        except OSError:
+            pass
 
     def finish(status: str, timeout: float) -> None:
         if engine is not None:
             engine.close(status, timeout=max(0.0, timeout))
-        report()
+        report(final=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # not interpreter shutdown: no atexit hooks, no waiting on a stuck request
 
     while True:
-        try:
-            frames = reader.read(timeout=1.0)
-        except InterruptedError:
-            frames = []
+        frames = reader.read(timeout=1.0)
         if frames is None:  # the training process is gone without close(): it crashed or was killed
             finish("FAILED", 2.0 if signaled else 10.0)
         for items in frames:
@@ -451,8 +509,10 @@ def _child_main(status_fd: int) -> None:
 class MLflowTracker:
     """Rank 0's MLflow run. Log calls are cheap, never block and never raise; `close()` is bounded.
 
-    By default the MLflow client runs in a child process (see the module docstring);
-    `in_process=True` runs it in a thread of this process instead.
+    By default the MLflow client runs in a child process (see the module docstring) and this
+    process runs no thread for it: log calls append to a list, and every `feed_seconds` one of
+    them pickles the list and writes it to the child's pipe without blocking (~0.1 ms).
+    `in_process=True` runs the MLflow client in a thread of this process instead.
     """
 
     def __init__(
@@ -470,24 +530,25 @@ class MLflowTracker:
         feed_seconds: float = 0.5,
     ):
         self.uri = uri
+        self.feed_seconds = feed_seconds
         config = dict(uri=uri, experiment=experiment, run_name=run_name, params={k: str(v) for k, v in params.items()},
                       tags={k: str(v) for k, v in tags.items()}, artifact_root=artifact_root, run_id=run_id,
                       retry_seconds=retry_seconds, flush_seconds=flush_seconds)
         self._engine: Optional[_Engine] = _Engine(**config) if in_process else None
         self._status = {"run_id": run_id, "failures": 0, "last_error": None, "dropped": 0, "close_ok": False}
-        self._items: collections.deque = collections.deque()
-        self._items.append(("init", config))
+        self._items: list = [("init", config)]
+        self._out = b""  # serialized frames not yet written to the pipe
+        self._next_send = 0.0
         self._accepting = True
+        self._pipe_ok = True
         self._dropped_at_enqueue = 0
-        self._dropped_in_feeder = 0
         self._result: Optional[bool] = None
-        self.feed_seconds = feed_seconds
-        self._wake = threading.Event()
         self.proc: Optional[subprocess.Popen] = None
         if self._engine is not None:
             return
         try:
             self._start_child()
+            self._send()
         except Exception as e:  # noqa: BLE001 - no tracking is better than no training
             warnings.warn(f"MLflow tracking disabled: could not start the tracking process ({e})", RuntimeWarning,
                           stacklevel=2)
@@ -505,19 +566,23 @@ class MLflowTracker:
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code, str(status_w)], stdin=subprocess.PIPE,
                                          pass_fds=(status_w,), env=env, close_fds=True)
+        except BaseException:
+            os.close(status_r)
+            raise
         finally:
             os.close(status_w)
-        self._status_fd = status_r
-        self._feeder = threading.Thread(target=self._feed, name="mlflow-feeder", daemon=True)
-        self._reader = threading.Thread(target=self._read_status, name="mlflow-status", daemon=True)
-        self._feeder.start()
-        self._reader.start()
+        self._status_reader = _FrameReader(status_r)
+        os.set_blocking(self.proc.stdin.fileno(), False)
 
     # ---- state reported by the engine ----
     def _get(self, key: str):
         if self._engine is not None:
             return {"run_id": self._engine.run_id, "failures": self._engine.failures,
                     "last_error": self._engine.last_error, "dropped": self._engine.dropped_metrics}[key]
+        if self._result is None and time.monotonic() >= self._next_send:
+            self._send()  # also reads the status; a crash loses at most feed_seconds of log calls
+        else:
+            self._poll_status()
         return self._status[key]
 
     @property
@@ -536,7 +601,7 @@ class MLflowTracker:
     @property
     def dropped_metrics(self) -> int:
         """Metric points given up on: beyond the buffer bounds, not numbers, or rejected by the server."""
-        return self._dropped_at_enqueue + self._dropped_in_feeder + self._get("dropped")
+        return self._dropped_at_enqueue + self._get("dropped")
 
     # ---- called from the training loop (cheap, never raises, never blocks) ----
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -546,20 +611,24 @@ class MLflowTracker:
             return
         if len(self._items) >= MAX_QUEUED_ITEMS:
             self._dropped_at_enqueue += len(metrics)
-            return
-        self._items.append(("metrics", (dict(metrics), step, int(time.time() * 1000))))
+        else:
+            self._items.append(("metrics", (dict(metrics), step, int(time.time() * 1000))))
+        if time.monotonic() >= self._next_send:
+            self._send()
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         if self._engine is not None:
             return self._engine.log_artifact(path, artifact_path)
         if self._accepting:
-            self._items.append(("artifact", (path, artifact_path)))
+            self._items.append(("artifact", (str(path), None if artifact_path is None else str(artifact_path))))
+            self._send()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self._engine is not None:
             return self._engine.set_tags(tags)
         if self._accepting:
-            self._items.append(("tags", dict(tags)))
+            self._items.append(("tags", {str(k): str(v) for k, v in tags.items()}))
+            self._send()
 
     def close(self, status: str = "FINISHED", timeout: float = 30.0) -> bool:
         """Flushes within `timeout` seconds and marks the run `status`.
@@ -575,67 +644,85 @@ class MLflowTracker:
             return self._result
         deadline = time.monotonic() + max(0.0, timeout)
         self._accepting = False
-        self._items.append(("close", (status, deadline)))
-        self._wake.set()
         try:
+            self._items.append(("close", (status, deadline)))
+            self._send()
+            fd = self.proc.stdin.fileno()
+            while (self._out or self._items) and self._accepting_pipe() and time.monotonic() < deadline:
+                select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
+                self._send()
+            self.proc.stdin.close()
             self.proc.wait(max(0.0, deadline - time.monotonic()) + 2.0)  # + the child's own exit
         except subprocess.TimeoutExpired:
+            pass
+        except Exception:  # noqa: BLE001 - the child is gone or the pipe broke: report False
+            pass
+        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self._reader.join(2.0)
+            warnings.warn(f"MLflow tracking at {self.uri}: run {self._status['run_id']} not finished within "
+                          f"{timeout:g}s of close(); stopped the tracking process (last error: "
+                          f"{self._status['last_error']})", RuntimeWarning, stacklevel=2)
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:  # the final status, up to end of file
+            try:
+                frames = self._status_reader.read(timeout=0.2)
+            except (OSError, ValueError, pickle.UnpicklingError):
+                break
+            if frames is None:
+                break
+            for frame in frames:
+                self._status.update(frame)
+        os.close(self._status_reader.fd)
         self._result = self.proc.returncode == 0 and bool(self._status["close_ok"])
         return self._result
 
-    # ---- threads of the training process: both sleep in system calls almost all the time ----
-    def _feed(self) -> None:
-        fd = self.proc.stdin.fileno()
-        while True:
-            closing = self._wake.wait(self.feed_seconds)
-            items = []
-            try:
-                while True:
-                    items.append(self._plain(self._items.popleft()))
-            except IndexError:
-                pass
-            try:
-                if items:
-                    _write_frame(fd, items)
-                if closing:
-                    self.proc.stdin.close()
-                    return
-            except (OSError, ValueError):  # the child is gone: nothing more can be sent
-                self._accepting = False
-                self._items.clear()
-                return
+    # ---- the pipe (non-blocking; called from the training thread) ----
+    def _accepting_pipe(self) -> bool:
+        return self.proc is not None and self.proc.stdin is not None and not self.proc.stdin.closed and self._pipe_ok
 
-    def _plain(self, item):
+    def _send(self) -> None:
+        self._next_send = time.monotonic() + self.feed_seconds
+        self._poll_status()
+        try:
+            if not self._out and self._items:
+                items, self._items = self._items, []
+                self._out = self._frame(items)
+            while self._out:
+                n = os.write(self.proc.stdin.fileno(), self._out)
+                self._out = self._out[n:]
+        except BlockingIOError:
+            pass  # the pipe is full: the rest goes at the next send
+        except (OSError, ValueError):  # the tracking process is gone: nothing more can be sent
+            self._accepting = self._pipe_ok = False
+            self._items, self._out = [], b""
+
+    def _frame(self, items: list) -> bytes:
         """Only builtins cross the pipe (a tensor or numpy scalar would drag torch into the child)."""
-        kind, payload = item
-        if kind == "metrics":
-            values, step, ts = payload
-            plain = {}
-            for k, v in values.items():
-                try:
-                    plain[str(k)] = float(v)
-                except (TypeError, ValueError):
-                    self._dropped_in_feeder += 1
-            return kind, (plain, int(step), ts)
-        if kind == "tags":
-            return kind, {str(k): str(v) for k, v in payload.items()}
-        if kind == "artifact":
-            return kind, (str(payload[0]), None if payload[1] is None else str(payload[1]))
-        return item
+        plain_items = []
+        for kind, payload in items:
+            if kind == "metrics":
+                values, step, ts = payload
+                plain = {}
+                for k, v in values.items():
+                    try:
+                        plain[str(k)] = float(v)
+                    except (TypeError, ValueError):
+                        self._dropped_at_enqueue += 1
+                payload = (plain, int(step), ts)
+            plain_items.append((kind, payload))
+        data = pickle.dumps(plain_items, protocol=pickle.HIGHEST_PROTOCOL)
+        return _LEN.pack(len(data)) + data
 
-    def _read_status(self) -> None:
-        reader = _FrameReader(self._status_fd)
+    def _poll_status(self) -> None:
+        if self.proc is None or self._result is not None:
+            return
         try:
             while True:
-                frames = reader.read(timeout=None)
-                if frames is None:
+                frames = self._status_reader.read(timeout=0)
+                if not frames:
                     return
-                for status in frames:
-                    self._status.update(status)
+                for frame in frames:
+                    self._status.update(frame)
         except (OSError, ValueError, pickle.UnpicklingError):
             return
-        finally:
-            os.close(self._status_fd)

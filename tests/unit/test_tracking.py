@@ -9,13 +9,13 @@ here), so the engine's own policies (buffering, backoff, close) are tested in pr
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -47,7 +47,8 @@ def _restore_mlflow_env():
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root}/mlflow.db"
-    MlflowClient(tracking_uri=uri).search_experiments()  # creates the tables once
+    tracking._create_sqlite_store(uri)  # what the tracker does for a new store: created aside, then linked
+    assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]
     return uri, root
 
 
@@ -134,6 +135,21 @@ def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
     assert [a.path for a in client.list_artifacts(tracker.run_id, "tokenizer")] == ["tokenizer/tokenizer.json"]
 
 
+def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path, monkeypatch):
+    """MLflow migrates a new SQLite file in place; interrupted, that file can never be opened again
+    ("table ... already exists"). The tracker builds it aside: an interruption leaves nothing."""
+    import mlflow.store.db.utils as db_utils
+
+    def interrupted(engine):
+        db_utils.InitialBase.metadata.create_all(engine)  # the first half of MLflow's creation
+        raise RuntimeError("killed while migrating (injected)")
+
+    monkeypatch.setattr(db_utils, "_initialize_tables", interrupted)
+    path = tmp_path / "runs" / "mlflow.db"
+    tracking._create_sqlite_store(f"sqlite:///{path}")
+    assert not path.exists() and list((tmp_path / "runs").iterdir()) == []
+
+
 @pytest.mark.parametrize("status", ["KILLED", "FAILED"])
 def test_close_marks_the_run(store, status):
     uri, root = store
@@ -210,8 +226,9 @@ def test_unreachable_server_never_blocks_or_raises(closed_uri, tmp_path, capfd):
     wait_until(lambda: tracker.failures > 0)
     assert "Connection refused" in tracker.last_error
     steady = _time_1000_calls(tracker)  # during the outage: retrying with backoff
-    print(f"\n1000 log_metrics calls with the server down: {first * 1e3:.2f} ms while it starts, "
-          f"{steady * 1e3:.2f} ms while retrying")
+    with capfd.disabled():
+        print(f"\n1000 log_metrics calls with the server down: {first * 1e3:.2f} ms while it starts, "
+              f"{steady * 1e3:.2f} ms while retrying")
     assert first < 0.05 and steady < 0.05
     t0 = time.perf_counter()
     assert tracker.close(timeout=10.0) is False
@@ -226,8 +243,9 @@ def test_tracking_process_death_never_reaches_training(closed_uri, tmp_path):
     tracker = make(closed_uri, tmp_path, "dead", in_process=False)
     tracker.proc.kill()
     tracker.proc.wait()
-    for step in range(100):  # neither raise nor block; the feeder notices the broken pipe
+    for step in range(100):  # neither raise nor block; the next send notices the broken pipe
         tracker.log_metrics({"train/loss": 1.0}, step)
+        time.sleep(0.01)
     t0 = time.perf_counter()
     assert tracker.close(timeout=5) is False
     assert time.perf_counter() - t0 < 3.0
@@ -312,64 +330,75 @@ def test_buffer_is_bounded_and_drops_oldest(closed_uri, tmp_path, monkeypatch, r
 # ---------------------------------------------------------------- cost
 
 
-def _thread_cpu(native_ids) -> float:
-    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in native_ids)
-
-
-def _simulated_steps(n: int, step_s: float, tracker=None, metrics=None) -> tuple[list[float], list[float]]:
-    """n steps of ~step_s of torch compute (GIL released in the ops, as in training), each followed by
-    a log_metrics call when a tracker is given. Returns (step times incl. logging, logging times)."""
+def _simulated_steps(n: int, step_s: float, loggers=(), metrics=None):
+    """n steps of ~step_s of torch compute (GIL released in the ops, as in training), each followed
+    by a log_metrics call on every logger, in alternating order (so that each is first, right after
+    the compute, equally often). Returns step wall times and, per logger, (wall, CPU) times."""
     a = torch.randn(128, 128)
-    step_times, log_times = [], []
+    step_times, costs = [], [([], []) for _ in loggers]
     for step in range(1, n + 1):
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < step_s:
             a = torch.tanh(a @ a) * 0.5
-        t1 = time.perf_counter()
-        if tracker is not None:
-            tracker.log_metrics(dict(metrics, **{"train/loss": 2.0 / step}), step)
-        t2 = time.perf_counter()
-        step_times.append(t2 - t0)
-        log_times.append(t2 - t1)
-    return step_times, log_times
+        order = list(enumerate(loggers))
+        for i, logger in order if step % 2 else order[::-1]:
+            c1, t1 = time.thread_time(), time.perf_counter()
+            logger.log_metrics(dict(metrics, **{"train/loss": 2.0 / step}), step)
+            t2, c2 = time.perf_counter(), time.thread_time()
+            costs[i][0].append(t2 - t1)
+            costs[i][1].append(c2 - c1)
+        step_times.append(time.perf_counter() - t0)
+    return step_times, costs
+
+
+class _ListLogger:
+    """Control: the same call appending to a list (what any Python work costs on this machine)."""
+
+    def __init__(self):
+        self.items = []
+
+    def log_metrics(self, values, step):
+        self.items.append(("metrics", (dict(values), step, int(time.time() * 1000))))
 
 
 def test_logging_cost_is_under_5_percent_of_a_step(store):
     """Logging cost on the training process vs a simulated 20 ms step while the tracking process
     really writes to SQLite: every step logs 25 metrics (log_interval=1, the worst case), flushed
-    every second. Asserted: the enqueue cost. Printed too: the CPU of this process's helper
-    threads, the tracking process's CPU, and the step time with and without tracking."""
+    every second. The cost includes the pickle-and-write to the pipe that one call in ~25 makes.
+
+    Asserted: the CPU time the log calls take on the training thread, less that of a control
+    call made at the same moments (the same call appending to a list): < 5% of the step. On this
+    shared VM the first Python work after a blocking call costs ~0.2-0.4 ms of CPU by itself, and a
+    preempted call can take 20 ms of wall time, so raw figures and the control are printed too,
+    with the tracking process's CPU (another process) and the step time with and without."""
     uri, root = store
     metrics = {f"routing/layer_{i}/selected_frac": 0.125 for i in range(20)}
     metrics.update({"train/loss": 2.0, "train/lr": 1e-3, "perf/tokens_per_s": 1e4, "perf/mfu": 0.1, "train/grad_norm": 1})
     steps, step_s = 100, 0.020
     baseline, _ = _simulated_steps(steps, step_s)  # the same compute without tracking
-
-    class Deque:  # control: the same call appending to a deque; what it costs is this machine's noise floor
-        def __init__(self):
-            self.items = collections.deque()
-
-        def log_metrics(self, values, step):
-            self.items.append(("metrics", (dict(values), step, int(time.time() * 1000))))
-
-    _, floor = _simulated_steps(steps, step_s, Deque(), metrics)
     tracker = make(uri, root, "cost", in_process=False, flush_seconds=1.0)
     wait_until(lambda: tracker.run_id is not None)  # the one-time start (import mlflow, create the run)
-    helpers = {tracker._feeder.native_id, tracker._reader.native_id}
+    assert [t for t in threading.enumerate() if t.name.startswith("mlflow")] == []  # no thread in this process
     child = psutil.Process(tracker.proc.pid)
-    cpu0, child0 = _thread_cpu(helpers), sum(child.cpu_times()[:2])
-    step_times, log_times = _simulated_steps(steps, step_s, tracker, metrics)
-    helper_cpu, child_cpu = _thread_cpu(helpers) - cpu0, sum(child.cpu_times()[:2]) - child0
+    child0 = sum(child.cpu_times()[:2])
+    step_times, [(log_wall, log_cpu), (ctl_wall, ctl_cpu)] = _simulated_steps(
+        steps, step_s, (tracker, _ListLogger()), metrics)
+    child_cpu = sum(child.cpu_times()[:2]) - child0
     assert tracker.close() is True
-    mean_log, mean_step = sum(log_times) / steps, sum(step_times) / steps
-    share = mean_log / mean_step
-    p50, p99 = sorted(log_times)[steps // 2], sorted(log_times)[int(0.99 * steps) - 1]
-    print(f"\nlogging cost: enqueue {mean_log * 1e6:.1f} us/step mean (median {p50 * 1e6:.1f} us, p99 "
-          f"{p99 * 1e6:.0f} us) = {100 * share:.3f}% of a {mean_step * 1e3:.1f} ms step; feeder+status threads "
-          f"{helper_cpu / steps * 1e6:.0f} us CPU/step; tracking process {child_cpu / steps * 1e3:.2f} ms CPU/step "
-          f"(another process); mean step {sum(baseline) / steps * 1e3:.1f} ms without tracking, "
-          f"{mean_step * 1e3:.1f} ms with; control (append to a deque): {sum(floor) / steps * 1e6:.1f} us/step mean, "
-          f"median {sorted(floor)[steps // 2] * 1e6:.1f} us")
-    assert share < 0.05
+    mean_step = sum(step_times) / steps
+    cpu_share = (sum(log_cpu) - sum(ctl_cpu)) / steps / mean_step
+
+    def us(xs: list[float]) -> str:
+        xs = sorted(xs)
+        return (f"mean {sum(xs) / len(xs) * 1e6:.1f} us, median {xs[len(xs) // 2] * 1e6:.1f} us, "
+                f"max {xs[-1] * 1e6:.0f} us")
+
+    print(f"\nlogging cost per step (25 metrics): {100 * cpu_share:.3f}% of a {mean_step * 1e3:.1f} ms step "
+          f"(CPU beyond the control: {(sum(log_cpu) - sum(ctl_cpu)) / steps * 1e6:.1f} us/step)"
+          f"\n  tracker: CPU {us(log_cpu)}; wall {us(log_wall)}"
+          f"\n  control: CPU {us(ctl_cpu)}; wall {us(ctl_wall)}"
+          f"\n  tracking process (not this thread): {child_cpu / steps * 1e3:.2f} ms CPU/step; mean step "
+          f"{sum(baseline) / steps * 1e3:.1f} ms without tracking, {mean_step * 1e3:.1f} ms with")
+    assert cpu_share < 0.05
     history = MlflowClient(tracking_uri=uri).get_metric_history(tracker.run_id, "train/loss")
     assert len(history) == steps
