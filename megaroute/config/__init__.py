@@ -16,6 +16,9 @@ from .schema import (
     Config,
     ConfigError,
     DataConfig,
+    DepthGateConfig,
+    EarlyExitConfig,
+    HaltingConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -26,7 +29,8 @@ from .schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DepthGateConfig", "EarlyExitConfig", "HaltingConfig",
+    "ModelConfig", "OptimConfig",
     "ParallelConfig", "RoutingConfig", "TokenizerConfig", "TrackingConfig", "TrainConfig",
     "apply_overrides", "config_from_dict", "config_hash", "flatten", "load_config", "load_raw",
     "save_config", "to_dict", "to_yaml",

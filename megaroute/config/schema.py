@@ -69,12 +69,90 @@ class ModelConfig:
         return m * ((hidden + m - 1) // m)
 
 
-RoutingMethod = Literal["none", "mod"]
+RoutingMethod = Literal["none", "mod", "random", "stride", "first_k", "depth_gate", "halting", "early_exit"]
+
+
+@dataclass
+class DepthGateConfig:
+    """Conditional depth (cheap vs full FFN) at each routed block; attention runs for every token."""
+
+    # G1 "mlp": hidden state -> utility score. G3 "jepa": an action-conditional predictor forecasts,
+    # in a small latent space, the outcome of full vs cheap; the score reads the forecasts.
+    gate: Literal["mlp", "jepa"] = "mlp"
+    # Fraction of tokens per sequence that take the full FFN.
+    budget: float = 0.5
+    gate_hidden: int = 64
+    # Cheap path: "low_rank" = x -> (r) -> x with SiLU; "narrow" = a SwiGLU with a small hidden size.
+    cheap: Literal["low_rank", "narrow"] = "low_rank"
+    cheap_hidden: int = 32
+    # JEPA gate: latent size of the forecasts, alignment loss against the frozen target head, its weight.
+    latent_dim: int = 16
+    align_loss: Literal["mse", "cosine", "smooth_l1"] = "mse"
+    align_weight: float = 1.0
+    # Oracle supervision (0 disables; each switchable). Label: per-token LM-loss improvement of full
+    # over cheap at this block; "off_policy": later blocks all run full; "on_policy": later blocks
+    # follow the current gate decisions.
+    utility_weight: float = 0.0
+    rank_weight: float = 0.0
+    oracle: Literal["off_policy", "on_policy"] = "off_policy"
+    rank_pairs: int = 256
+    # Causal (evaluation) decisions threshold the score at a running estimate of the top-k cut.
+    threshold_momentum: float = 0.99
+
+    def validate(self, path: str) -> None:
+        _require(0.0 < self.budget <= 1.0, f"{path}.budget", f"must be in (0, 1], got {self.budget}")
+        for name in ("gate_hidden", "cheap_hidden", "latent_dim", "rank_pairs"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
+        for name in ("align_weight", "utility_weight", "rank_weight"):
+            _require(getattr(self, name) >= 0, f"{path}.{name}", f"must be >= 0, got {getattr(self, name)}")
+        _require(0.0 <= self.threshold_momentum < 1.0, f"{path}.threshold_momentum",
+                 f"must be in [0, 1), got {self.threshold_momentum}")
+
+    @property
+    def needs_oracle(self) -> bool:
+        return self.utility_weight > 0 or self.rank_weight > 0
+
+
+@dataclass
+class HaltingConfig:
+    """Token-selective halting: p = MLP(x) in [0, 1] scales each gated block's residual update."""
+
+    hidden: int = 64
+    # Depth penalty lambda * mean(p); 0 is allowed.
+    penalty: float = 0.0
+    # Hard inference: tokens with p < tau skip the block for real.
+    tau: float = 0.5
+    # Initial bias of the last gate layer: sigmoid(init_bias) is the starting p (open by default).
+    init_bias: float = 2.0
+
+    def validate(self, path: str) -> None:
+        _require(self.hidden > 0, f"{path}.hidden", f"must be > 0, got {self.hidden}")
+        _require(self.penalty >= 0, f"{path}.penalty", f"must be >= 0, got {self.penalty}")
+        _require(0.0 <= self.tau <= 1.0, f"{path}.tau", f"must be in [0, 1], got {self.tau}")
+
+
+@dataclass
+class EarlyExitConfig:
+    """Per-token early exit: after each routed block a confidence head may retire the token."""
+
+    # A token exits when its confidence passes this threshold (causal/evaluation mode).
+    threshold: float = 0.9
+    # Weight of the BCE that trains each confidence head toward "the prediction here already
+    # equals the final prediction".
+    loss_weight: float = 0.1
+
+    def validate(self, path: str) -> None:
+        _require(0.0 < self.threshold <= 1.0, f"{path}.threshold", f"must be in (0, 1], got {self.threshold}")
+        _require(self.loss_weight >= 0, f"{path}.loss_weight", f"must be >= 0, got {self.loss_weight}")
 
 
 @dataclass
 class RoutingConfig:
-    # "none" = dense model; "mod" = Mixture-of-Depths expert-choice top-k.
+    # "none" = dense. Capacity routers (route -> gather -> block -> combine at routed blocks):
+    # "mod" = Mixture-of-Depths expert-choice top-k; baselines at the same capacity: "random",
+    # "stride" (every round(1/capacity)-th position), "first_k" (the first k positions).
+    # "depth_gate" = cheap/full FFN; "halting" = token-selective halting gates;
+    # "early_exit" = per-token exit after routed blocks.
     method: RoutingMethod = "none"
     # Fraction of tokens per sequence that a routed block processes.
     capacity: float = 0.125
@@ -88,6 +166,9 @@ class RoutingConfig:
     aux_loss_weight: float = 0.01
     predictor_hidden: int = 64
     predictor_loss_weight: float = 0.01
+    depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
+    halting: HaltingConfig = field(default_factory=HaltingConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
 
     def validate(self, path: str) -> None:
         _require(0.0 < self.capacity <= 1.0, f"{path}.capacity", f"must be in (0, 1], got {self.capacity}")
@@ -98,6 +179,9 @@ class RoutingConfig:
         _require(self.predictor_hidden > 0, f"{path}.predictor_hidden", f"must be > 0, got {self.predictor_hidden}")
         _require(self.predictor_loss_weight >= 0, f"{path}.predictor_loss_weight",
                  f"must be >= 0, got {self.predictor_loss_weight}")
+        self.depth_gate.validate(f"{path}.depth_gate")
+        self.halting.validate(f"{path}.halting")
+        self.early_exit.validate(f"{path}.early_exit")
 
     def is_routed(self, layer: int) -> bool:
         return self.method != "none" and layer % self.every == self.offset
@@ -216,6 +300,11 @@ class TrainConfig:
     exit_interval: Optional[int] = None
     # Peak FLOP/s per device for MFU; 0 = look up the device (or a CPU estimate).
     peak_flops: float = 0.0
+    # Controller-only training: freeze the base model (load it with checkpoint.init_from) and
+    # train only the routing controller (routers, gates, predictors, cheap FFNs, exit heads).
+    controller_only: bool = False
+    # Validation losses whose first hit step is recorded (metric val/threshold_hit_step/<value>).
+    loss_thresholds: list[float] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
         for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_interval",
@@ -227,6 +316,8 @@ class TrainConfig:
         _require(self.max_flops is None or self.max_flops > 0, f"{path}.max_flops", "must be > 0")
         _require(self.peak_flops >= 0, f"{path}.peak_flops", f"must be >= 0, got {self.peak_flops}")
         _require(self.exit_interval is None or self.exit_interval > 0, f"{path}.exit_interval", "must be > 0")
+        _require(all(t > 0 for t in self.loss_thresholds), f"{path}.loss_thresholds",
+                 f"must all be > 0, got {self.loss_thresholds}")
 
 
 @dataclass
@@ -286,6 +377,11 @@ class Config:
             _require(any(self.routing.is_routed(i) for i in range(self.model.n_layers)), "routing.offset",
                      f"no block is routed with every={self.routing.every}, offset={self.routing.offset} "
                      f"and n_layers={self.model.n_layers}")
+        if self.train.controller_only:
+            _require(self.routing.method not in ("none", "random", "stride", "first_k"), "train.controller_only",
+                     f"routing.method {self.routing.method!r} has no trainable controller")
+            _require(bool(self.checkpoint.init_from), "checkpoint.init_from",
+                     "train.controller_only needs the base weights: set checkpoint.init_from to a dense checkpoint")
         return self
 
     @property

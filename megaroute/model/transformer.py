@@ -63,7 +63,9 @@ class Transformer(nn.Module):
         targets: Optional[torch.Tensor] = None,
         routing_mode: str = "topk",
         positions: Optional[torch.Tensor] = None,
+        force: Optional[dict[str, str]] = None,
     ) -> ModelOutput:
+        """`force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full") for analysis."""
         from ..routing import RoutingContext
 
         B, T = tokens.shape
@@ -71,12 +73,20 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        ctx = RoutingContext(mode=routing_mode)
         pos = Positions(self.rope, positions)
+        ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}))
+        # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
+        ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, ctx, f"layer_{i}")
         logits = self.lm_head(self.norm(x))
+        for fn in ctx.deferred:
+            fn(logits)
+        if ctx.exec_frac:
+            # Token-layer operations executed, as a fraction of running every block for every token.
+            executed = sum(ctx.exec_frac.values()) + (len(self.layers) - len(ctx.exec_frac))
+            ctx.add_stat("tlops_frac", executed / len(self.layers))
 
         out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats)
         if targets is not None:
@@ -84,6 +94,21 @@ class Transformer(nn.Module):
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out
+
+    @torch.no_grad()
+    def _suffix_loss(self, start: int, x: torch.Tensor, pos: Positions, targets: torch.Tensor,
+                     force: dict[str, str]) -> torch.Tensor:
+        """Per-token LM loss [B, T] of running layers start+1.. from x (oracle-label passes).
+
+        Routed layers decide as in training ("topk"), except where `force` pins a path.
+        """
+        from ..routing import RoutingContext
+
+        ctx = RoutingContext(mode="topk", force=force)
+        for i in range(start + 1, len(self.layers)):
+            x = self.layers[i](x, pos, ctx, f"layer_{i}")
+        logits = self.lm_head(self.norm(x)).float()
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once

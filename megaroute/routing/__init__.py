@@ -1,4 +1,9 @@
-"""Routers and routed layers. `build_layer` picks the layer type for block i from the config."""
+"""Routers and routed layers. `build_layer` picks the layer type for block i from the config.
+
+Every layer has the signature `layer(x, pos, ctx, name) -> x` and, when routed, is built as
+`Layer(block, model_cfg, routing_cfg)`. Controller parameters (what controller-only training
+trains) live in submodules whose names are listed in CONTROLLER_MODULES.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,17 @@ from ..config import ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from .context import RoutingContext
+from .depth_gate import DepthGateLayer
 from .mod import MoDLayer
+
+# method -> routed layer class (dense blocks stay DenseLayer).
+LAYER_TYPES: dict[str, type[nn.Module]] = {
+    "mod": MoDLayer,
+    "depth_gate": DepthGateLayer,
+}
+
+# Submodule names that make up a routing controller; everything else is the base model.
+CONTROLLER_MODULES = ("router", "predictor", "scorer", "cheap", "halt", "exit_head")
 
 
 class DenseLayer(nn.Module):
@@ -24,9 +39,29 @@ def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig) 
     block = TransformerBlock(model_cfg)
     if not routing_cfg.is_routed(index):
         return DenseLayer(block)
-    if routing_cfg.method == "mod":
-        return MoDLayer(block, model_cfg.d_model, routing_cfg)
-    raise ValueError(f"routing.method {routing_cfg.method!r} has no layer implementation")
+    if routing_cfg.method not in LAYER_TYPES:
+        raise ValueError(f"routing.method {routing_cfg.method!r} has no layer implementation")
+    return LAYER_TYPES[routing_cfg.method](block, model_cfg, routing_cfg)
 
 
-__all__ = ["DenseLayer", "MoDLayer", "RoutingContext", "build_layer"]
+def is_controller_param(name: str) -> bool:
+    return any(part in CONTROLLER_MODULES for part in name.split("."))
+
+
+def freeze_base(model: nn.Module) -> list[str]:
+    """Controller-only training: freezes every parameter outside the routing controller.
+
+    Returns the names left trainable; raises if there are none (a model with no controller).
+    """
+    trainable = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_controller_param(name))
+        if p.requires_grad:
+            trainable.append(name)
+    if not trainable:
+        raise ValueError("controller-only training: the model has no routing-controller parameters")
+    return trainable
+
+
+__all__ = ["CONTROLLER_MODULES", "DenseLayer", "DepthGateLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext",
+           "build_layer", "freeze_base", "is_controller_param"]

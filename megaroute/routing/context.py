@@ -1,23 +1,49 @@
-"""Per-forward collector for auxiliary losses and routing statistics (no global state)."""
+"""Per-forward state shared by the routed layers of one model call (no global state).
+
+Modes:
+  "topk"   training-time decisions: sequence-wide top-k (sees the future), soft halting gates,
+           every layer for every token (early exit trains its heads).
+  "causal" each token decides from its own past: for evaluation and sampling.
+  "hard"   "causal", and halting gates skip tokens with p < tau for real.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
+
+MODES = ("topk", "causal", "hard")
 
 
 @dataclass
 class RoutingContext:
-    # "topk": training-time expert choice over the whole sequence (sees the future).
-    # "causal": each token decides alone from the past; for evaluation and sampling.
     mode: str = "topk"
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Targets of this call (None at inference); oracle labels need them.
+    targets: Optional[torch.Tensor] = None
+    # run_suffix(layer_name, x, force) -> per-token LM loss [B, T] of running the layers after
+    # `layer_name` from hidden state x, without grad; set by the model. `force` maps layer names
+    # to a path ("full" / "cheap") that overrides their gate, e.g. {"*": "full"} for all.
+    run_suffix: Optional[Callable[[str, torch.Tensor, dict], torch.Tensor]] = None
+    # Paths forced on depth-gate layers by name ("*" = every layer): used by oracle passes and tests.
+    force: dict[str, str] = field(default_factory=dict)
+    # Early exit: tokens still running ([B, T] bool); None = all.
+    active: Optional[torch.Tensor] = None
+    # Losses that need the final logits (early-exit heads); called by the model as fn(logits).
+    deferred: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
+    # Token-layer operations: per layer, the fraction of tokens whose block ran in full.
+    exec_frac: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.mode not in ("topk", "causal"):
-            raise ValueError(f"routing_mode must be 'topk' or 'causal', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"routing_mode must be one of {MODES}, got {self.mode!r}")
+
+    @property
+    def causal(self) -> bool:
+        return self.mode != "topk"
 
     def add_loss(self, name: str, value: torch.Tensor, weight: float) -> None:
         """Adds a weighted auxiliary loss; weight 0 records nothing and costs no backward."""
@@ -26,6 +52,13 @@ class RoutingContext:
 
     def add_stat(self, name: str, value: torch.Tensor) -> None:
         self.stats[name] = value.detach().float()
+
+    def add_exec(self, name: str, frac: torch.Tensor) -> None:
+        """Records the fraction of tokens this layer's block executed (the model sums them into TLOps)."""
+        self.exec_frac[name] = frac.detach().float()
+
+    def forced_path(self, name: str) -> Optional[str]:
+        return self.force.get(name, self.force.get("*"))
 
     def total_aux_loss(self) -> torch.Tensor | None:
         return sum(self.aux_losses.values()) if self.aux_losses else None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import RoutingConfig
+from ..config import ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from . import dispatch
@@ -42,8 +42,9 @@ class CausalPredictor(nn.Module):
 
 
 class MoDLayer(nn.Module):
-    def __init__(self, block: TransformerBlock, d_model: int, cfg: RoutingConfig):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__()
+        d_model = model_cfg.d_model
         self.block = block
         self.capacity = cfg.capacity
         self.gate = GATES[cfg.gate]
@@ -61,12 +62,14 @@ class MoDLayer(nn.Module):
         B, T, _ = x.shape
         logits = self.router(x).squeeze(-1)
         causal = self.causal_logits(x, logits)
-        if ctx.mode == "topk":
+        if not ctx.causal:
             idx, valid = dispatch.topk_indices(logits, dispatch.capacity_k(T, self.capacity)), None
             self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
         else:
             idx, valid = dispatch.mask_indices(causal > 0)
-        ctx.add_stat(f"{name}/selected_frac", (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T))
+        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        ctx.add_stat(f"{name}/selected_frac", selected)
+        ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
         if idx.shape[1] == 0:  # causal mode: nobody in the batch chose this block

@@ -1,0 +1,191 @@
+"""Conditional depth execution: every token runs attention; each then takes the full or a cheap FFN.
+
+    h      = x + attn(x)                                   all tokens
+    s      = scorer(norm(h))                               [B, T] utility of the full path
+    full   = top-k(s, k = max(1, round(budget*T)))         per sequence (training; exact budget)
+             s > running top-k cut                         causal mode (each token alone)
+    train: out = h + w*full_ffn(u) + (1-w)*cheap_ffn(u),  w = hard + sigmoid(s) - sg(sigmoid(s))
+    infer: out = h; out[full] += full_ffn(u[full]); out[~full] += cheap_ffn(u[~full])
+
+Training computes both paths so the straight-through weight w (exactly 0 or 1 forward) passes
+gradient to the scorer; evaluation and inference dispatch each token down one path only, with
+the same math for the same decisions.
+
+Scorers: G1 ("mlp") maps the hidden state to a utility score. G3 ("jepa") forecasts, in a small
+latent space, the outcome of each action (full / cheap) and scores their difference; the
+forecasts are aligned with a frozen random target head applied to the real outcomes.
+
+Oracle supervision (utility regression, pairwise rank) needs a per-token label: the LM-loss
+improvement of full over cheap at this block, measured by running the rest of the network
+(`ctx.run_suffix`) once from each outcome. Off-policy: later blocks all run full (the published
+recipe); on-policy: later blocks follow the current gate decisions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DepthGateConfig, ModelConfig, RoutingConfig
+from ..model.block import TransformerBlock
+from ..model.mlp import SwiGLU
+from ..model.rope import Positions
+from . import dispatch
+from .context import RoutingContext
+
+
+class LowRankFFN(nn.Module):
+    """Cheap path x -> W2 silu(W1 x) with rank r << d."""
+
+    def __init__(self, d_model: int, rank: int):
+        super().__init__()
+        self.up = nn.Linear(d_model, rank, bias=False)
+        self.down = nn.Linear(rank, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+
+def build_cheap_ffn(d_model: int, cfg: DepthGateConfig) -> nn.Module:
+    return LowRankFFN(d_model, cfg.cheap_hidden) if cfg.cheap == "low_rank" else SwiGLU(d_model, cfg.cheap_hidden)
+
+
+class MLPScorer(nn.Module):
+    """G1: hidden state -> utility score."""
+
+    def __init__(self, d_model: int, cfg: DepthGateConfig):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_model, cfg.gate_hidden), nn.SiLU(), nn.Linear(cfg.gate_hidden, 1))
+
+    def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.net(u).squeeze(-1), None
+
+
+class JEPAScorer(nn.Module):
+    """G3: action-conditional latent forecasts of the outcome of full (a=1) and cheap (a=0)."""
+
+    def __init__(self, d_model: int, cfg: DepthGateConfig):
+        super().__init__()
+        self.context = nn.Linear(d_model, cfg.gate_hidden)
+        self.action = nn.Embedding(2, cfg.gate_hidden)
+        self.forecast = nn.Sequential(nn.SiLU(), nn.Linear(cfg.gate_hidden, cfg.latent_dim))
+        self.readout = nn.Linear(cfg.latent_dim, 1)
+        # Fixed target head: a frozen random projection, so the alignment target cannot collapse.
+        self.register_buffer("target_head", torch.randn(cfg.latent_dim, d_model) / math.sqrt(d_model))
+        self.align_kind = cfg.align_loss
+
+    def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        c = self.context(u)
+        z_full = self.forecast(c + self.action.weight[1])
+        z_cheap = self.forecast(c + self.action.weight[0])
+        return self.readout(z_full - z_cheap).squeeze(-1), (z_full, z_cheap)
+
+    def align_loss(self, forecasts, outcome_full: torch.Tensor, outcome_cheap: torch.Tensor) -> torch.Tensor:
+        pred = torch.stack(forecasts).float()
+        target = F.linear(torch.stack([outcome_full, outcome_cheap]).detach(), self.target_head).float()
+        if self.align_kind == "mse":
+            return F.mse_loss(pred, target)
+        if self.align_kind == "smooth_l1":
+            return F.smooth_l1_loss(pred, target)
+        return (1 - F.cosine_similarity(pred, target, dim=-1)).mean()
+
+
+SCORERS = {"mlp": MLPScorer, "jepa": JEPAScorer}
+
+
+def pairwise_rank_loss(scores: torch.Tensor, labels: torch.Tensor, pairs: int) -> torch.Tensor:
+    """RankNet loss on random same-sequence pairs: the token with the larger label should score higher."""
+    B, T = scores.shape
+    i = torch.randint(0, T, (B, pairs), device=scores.device)
+    j = torch.randint(0, T, (B, pairs), device=scores.device)
+    sign = torch.sign(labels.gather(1, i) - labels.gather(1, j))
+    margin = scores.gather(1, i).float() - scores.gather(1, j).float()
+    keep = sign != 0
+    if not keep.any():
+        return scores.sum() * 0
+    return F.softplus(-sign * margin)[keep].mean()
+
+
+class DepthGateLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
+        super().__init__()
+        self.block = block
+        self.cfg = cfg.depth_gate
+        self.scorer = SCORERS[self.cfg.gate](model_cfg.d_model, self.cfg)
+        self.cheap = build_cheap_ffn(model_cfg.d_model, self.cfg)
+        # Running estimate of the per-sequence top-k cut on the score, for causal decisions.
+        self.register_buffer("causal_threshold", torch.zeros(()))
+        self.register_buffer("threshold_updates", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        blk = self.block
+        h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin)
+        u = blk.mlp_norm(h)
+        scores, forecasts = self.scorer(u)
+        full = self._decide(scores, ctx, name)
+        ctx.add_stat(f"{name}/full_frac", full.float().mean())
+        ctx.add_stat(f"{name}/score_mean", scores.mean())
+        if not (self.training and torch.is_grad_enabled()):
+            return self._dispatch(h, u, full)
+
+        full_update, cheap_update = blk.mlp(u), self.cheap(u)
+        soft = torch.sigmoid(scores)
+        # Parenthesized so the forward value is exactly 0 or 1: (soft - soft) is exactly 0.
+        w = (full.to(soft.dtype) + (soft - soft.detach())).unsqueeze(-1)
+        out = h + w * full_update + (1 - w) * cheap_update
+        if forecasts is not None:
+            ctx.add_loss(f"{name}/jepa_align",
+                         self.scorer.align_loss(forecasts, h + full_update, h + cheap_update), self.cfg.align_weight)
+        if self.cfg.needs_oracle and ctx.targets is not None and ctx.forced_path(name) is None:
+            labels = self.oracle_labels(ctx, name, h + full_update, h + cheap_update)
+            ctx.add_stat(f"{name}/oracle_label_mean", labels.mean())
+            ctx.add_loss(f"{name}/utility", F.mse_loss(scores.float(), labels), self.cfg.utility_weight)
+            ctx.add_loss(f"{name}/rank", pairwise_rank_loss(scores, labels, self.cfg.rank_pairs), self.cfg.rank_weight)
+        return out
+
+    def _decide(self, scores: torch.Tensor, ctx: RoutingContext, name: str) -> torch.Tensor:
+        """Which tokens take the full path: [B, T] bool."""
+        forced = ctx.forced_path(name)
+        if forced is not None:
+            return torch.full_like(scores, forced == "full", dtype=torch.bool)
+        B, T = scores.shape
+        if ctx.causal:
+            return scores > self.causal_threshold
+        idx = dispatch.topk_indices(scores, dispatch.capacity_k(T, self.cfg.budget))
+        if self.training and torch.is_grad_enabled():
+            self._update_threshold(scores.detach(), idx)
+        return dispatch.indices_to_mask(idx, T)
+
+    @torch.no_grad()
+    def _update_threshold(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
+        # Midpoint between the lowest selected and highest unselected score, averaged over sequences.
+        T = scores.shape[1]
+        selected = dispatch.indices_to_mask(idx, T)
+        low_in = scores.masked_fill(~selected, math.inf).amin(dim=1)
+        high_out = scores.masked_fill(selected, -math.inf).amax(dim=1)
+        cut = torch.where(torch.isfinite(high_out), (low_in + high_out) / 2, low_in - 1).mean().float()
+        m = self.cfg.threshold_momentum if self.threshold_updates > 0 else 0.0
+        self.causal_threshold.mul_(m).add_((1 - m) * cut)
+        self.threshold_updates += 1
+
+    def _dispatch(self, h: torch.Tensor, u: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Inference: each token runs exactly one FFN; padded rows carry weight 0."""
+        out = h
+        for take, ffn in ((full, self.block.mlp), (~full, self.cheap)):
+            idx, valid = dispatch.mask_indices(take)
+            if idx.shape[1] == 0:
+                continue
+            update = ffn(dispatch.gather_tokens(u, idx))
+            out = dispatch.combine_tokens(out, idx, valid.to(update.dtype), update)
+        return out
+
+    def oracle_labels(self, ctx: RoutingContext, name: str, outcome_full: torch.Tensor,
+                      outcome_cheap: torch.Tensor) -> torch.Tensor:
+        """Per-token LM-loss improvement of full over cheap at this block: [B, T] float32, no grad."""
+        force = {"*": "full"} if self.cfg.oracle == "off_policy" else {}
+        loss_full = ctx.run_suffix(name, outcome_full.detach(), force)
+        loss_cheap = ctx.run_suffix(name, outcome_cheap.detach(), force)
+        return (loss_cheap - loss_full).float()
