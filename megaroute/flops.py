@@ -23,12 +23,30 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
   layer) - FlopCounterMode on real kernels sees these; MFU conventions do not.
 * Causal (inference) routing decides per token, so the tokens a routed block processes vary;
   the estimate assumes the trained capacity k, which is what the causal decider targets.
+* Capacity baselines (random / stride / first_k) are MoD without a router; stride processes
+  T // round(1/c) tokens.
+* Depth gate (cheap/full FFN): attention on all T tokens; at inference the full FFN runs on
+  k = capacity_k(T, budget) tokens and the cheap FFN on T - k; the scorer on all T. Training
+  computes BOTH paths for every token (straight-through selection): the other path's FLOPs are
+  `train_extra` (forward with backward). The JEPA scorer's frozen target head on the two real
+  outcomes and the oracle-label passes are `no_grad` (forward only): per labelled block, two
+  passes over the rest of the network (blocks after it plus the LM head) from the full and
+  the cheap outcome; off-policy passes run later gated blocks full (no scorer), on-policy passes
+  run them as gated at inference.
+* Halting gates: the gate MLP on all T tokens; training (soft) runs every block on every token,
+  and so does this estimate at inference: hard-mode savings depend on the learned p and are
+  measured (TLOps), not predicted.
+* Early exit: every block on every token (an upper bound at inference, as for halting), a
+  confidence head (2*d) per token at each routed block; training adds, per routed block, the
+  LM-head readout of its hidden state for the consistency label (no_grad).
+* Training = 3 x (forward + train_extra) + no_grad. Controller-only training (frozen base) is
+  counted the same way: the proxy compares recipes under one convention, it is not a profile.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import Config, ModelConfig, RoutingConfig
@@ -36,9 +54,11 @@ from .routing.dispatch import capacity_k
 
 BACKWARD_FACTOR = 2  # backward = grad w.r.t. inputs + grad w.r.t. weights = 2 x forward
 
-COMPONENTS = ("embedding", "attn_proj", "attn_scores", "mlp", "router", "predictor", "lm_head")
+COMPONENTS = ("embedding", "attn_proj", "attn_scores", "mlp", "cheap", "router", "predictor", "gate", "lm_head")
 # Components inside the transformer layers: what full activation checkpointing recomputes.
-LAYER_COMPONENTS = ("attn_proj", "attn_scores", "mlp", "router", "predictor")
+LAYER_COMPONENTS = ("attn_proj", "attn_scores", "mlp", "cheap", "router", "predictor", "gate")
+# Forward-only training work (no backward): oracle-label passes, frozen heads, exit labels.
+NO_GRAD_COMPONENTS = ("oracle", "target_head", "exit_labels")
 
 
 @dataclass(frozen=True)
@@ -52,19 +72,28 @@ class FlopsBreakdown:
     tokens_per_layer: tuple[int, ...] = ()
     # Extra forward FLOPs per sequence spent on activation recomputation (0 without it).
     recompute: int = 0
+    # Training-only forward FLOPs that are backpropagated (e.g. the untaken path of a depth gate).
+    train_extra: dict[str, int] = field(default_factory=dict)
+    # Training-only forward FLOPs without backward (keys: NO_GRAD_COMPONENTS).
+    no_grad: dict[str, int] = field(default_factory=dict)
 
     @property
     def forward(self) -> int:
+        """Inference forward FLOPs per sequence."""
         return sum(self.components.values())
 
     @property
+    def train_forward(self) -> int:
+        return self.forward + sum(self.train_extra.values())
+
+    @property
     def backward(self) -> int:
-        return BACKWARD_FACTOR * self.forward
+        return BACKWARD_FACTOR * self.train_forward
 
     @property
     def train(self) -> int:
-        """Model FLOPs of one training step per sequence (forward + backward): use for MFU."""
-        return self.forward + self.backward
+        """Model FLOPs of one training step per sequence (forward + backward + no-grad passes): for MFU."""
+        return self.train_forward + self.backward + sum(self.no_grad.values())
 
     @property
     def train_with_recompute(self) -> int:
@@ -85,6 +114,8 @@ class FlopsBreakdown:
             "forward_per_token": self.per_token(training=False),
             "train_per_token": self.per_token(training=True),
             "components": dict(self.components),
+            "train_extra": dict(self.train_extra),
+            "no_grad": dict(self.no_grad),
             "tokens_per_layer": list(self.tokens_per_layer),
         }
 
@@ -98,6 +129,55 @@ def _block_flops(n: int, d: int, ffn: int) -> dict[str, int]:
     }
 
 
+def _add(into: dict[str, int], flops: dict[str, int]) -> None:
+    for name, value in flops.items():
+        into[name] = into.get(name, 0) + value
+
+
+def _capacity_tokens(routing: RoutingConfig, T: int) -> int:
+    if routing.method == "stride":
+        return T // max(1, round(1 / routing.capacity))
+    return capacity_k(T, routing.capacity)
+
+
+def _depth_gate_layer(T: int, d: int, ffn: int, routing: RoutingConfig) -> tuple[dict, dict, dict]:
+    """(inference forward, training-only with grad, training-only no-grad) of one gated block."""
+    g = routing.depth_gate
+    k = capacity_k(T, g.budget)
+    attn = _block_flops(T, d, ffn)
+    full_per_token = attn["mlp"] // T
+    cheap_per_token = (2 * d * g.cheap_hidden * 2 if g.cheap == "low_rank" else 2 * d * 2 * g.cheap_hidden
+                       + 2 * g.cheap_hidden * d)
+    h, z = g.gate_hidden, g.latent_dim
+    if g.gate == "mlp":
+        gate = T * (2 * d * h + 2 * h)
+    else:  # context projection, two action-conditional forecasts, readout of their difference
+        gate = T * (2 * d * h + 2 * 2 * h * z + 2 * z)
+    forward = {"attn_proj": attn["attn_proj"], "attn_scores": attn["attn_scores"], "mlp": k * full_per_token,
+               "cheap": (T - k) * cheap_per_token, "gate": gate}
+    train_extra = {"mlp": (T - k) * full_per_token, "cheap": k * cheap_per_token}
+    no_grad = {"target_head": 2 * T * 2 * d * z} if g.gate == "jepa" else {}
+    return forward, train_extra, no_grad
+
+
+def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forward: list[int]) -> int:
+    """Forward FLOPs of the oracle-label passes for one sequence (two suffix passes per gated block)."""
+    g = routing.depth_gate
+    if routing.method != "depth_gate" or not g.needs_oracle:
+        return 0
+    dense_block = sum(_block_flops(T, model.d_model, model.ffn_hidden).values())
+    head = 2 * T * model.d_model * model.vocab_size
+    gated = [i for i in range(model.n_layers) if routing.is_routed(i)]
+    total = 0
+    for start in gated:
+        rest = 0
+        for j in range(start + 1, model.n_layers):
+            forced_full = g.oracle == "off_policy" and routing.is_routed(j)
+            rest += dense_block if forced_full else layer_forward[j]
+        total += 2 * (rest + head)
+    return total
+
+
 def estimate_flops(
     model: ModelConfig,
     routing: RoutingConfig,
@@ -107,26 +187,54 @@ def estimate_flops(
     """Forward/training FLOPs of one sequence for a model + routing config."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if routing.method not in ("none", "mod"):
-        # Refuse rather than silently count a routed layer as dense.
-        raise NotImplementedError(f"FLOPs for routing.method {routing.method!r} are not implemented")
-    T, d = seq_len, model.d_model
+    T, d, ffn, method = seq_len, model.d_model, model.ffn_hidden, routing.method
     comp = dict.fromkeys(COMPONENTS, 0)
-    tokens = []
+    train_extra: dict[str, int] = {}
+    no_grad = dict.fromkeys(NO_GRAD_COMPONENTS, 0)
+    tokens, layer_forward = [], []
     for layer in range(model.n_layers):
         routed = routing.is_routed(layer)
-        n = capacity_k(T, routing.capacity) if routed else T
+        fwd: dict[str, int] = {}
+        n = T
+        if routed and method in ("mod", "random", "stride", "first_k"):
+            n = _capacity_tokens(routing, T)
+            _add(fwd, _block_flops(n, d, ffn))
+            if method == "mod":
+                fwd["router"] = 2 * T * d
+                if routing.causal_method == "predictor":
+                    h = routing.predictor_hidden
+                    fwd["predictor"] = 2 * T * d * h + 2 * T * h
+        elif routed and method == "depth_gate":
+            fwd, extra, ng = _depth_gate_layer(T, d, ffn, routing)
+            _add(train_extra, extra)
+            _add(no_grad, ng)
+        else:
+            _add(fwd, _block_flops(T, d, ffn))
+            if routed and method == "halting":
+                h = routing.halting.hidden
+                fwd["gate"] = T * (2 * d * h + 2 * h)
+            elif routed and method == "early_exit":
+                fwd["gate"] = 2 * T * d
+                no_grad["exit_labels"] += 2 * T * d * model.vocab_size
         tokens.append(n)
-        for name, value in _block_flops(n, d, model.ffn_hidden).items():
-            comp[name] += value
-        if routed:
-            comp["router"] += 2 * T * d
-            if routing.causal_method == "predictor":
-                h = routing.predictor_hidden
-                comp["predictor"] += 2 * T * d * h + 2 * T * h
+        layer_forward.append(sum(fwd.values()))
+        _add(comp, fwd)
     comp["lm_head"] = 2 * T * d * model.vocab_size
-    recompute = sum(comp[c] for c in LAYER_COMPONENTS) if activation_checkpointing else 0
-    return FlopsBreakdown(seq_len=T, components=comp, tokens_per_layer=tuple(tokens), recompute=recompute)
+    no_grad["oracle"] = _oracle_flops(model, routing, T, layer_forward)
+    recompute = (sum(comp[c] for c in LAYER_COMPONENTS) + sum(train_extra.values())) if activation_checkpointing else 0
+    return FlopsBreakdown(seq_len=T, components=comp, tokens_per_layer=tuple(tokens), recompute=recompute,
+                          train_extra=train_extra, no_grad=no_grad)
+
+
+def training_proxy(model: ModelConfig, routing: RoutingConfig, seq_len: int) -> float:
+    """Training FLOPs of a routed recipe relative to the full-only (dense) model of the same shape.
+
+    Counts everything a training step computes: forward and backward of both depth-gate paths,
+    gates and predictors, plus forward-only work (oracle-label passes, frozen target heads, exit
+    labels). The published cheap/full recipe quotes this as ~1.53x with utility/rank losses and
+    ~1.07x without (see configs/recipes/depth_gate_157m*.yaml).
+    """
+    return estimate_flops(model, routing, seq_len).train / estimate_flops(model, RoutingConfig(), seq_len).train
 
 
 def config_flops(cfg: Config, seq_len: Optional[int] = None) -> FlopsBreakdown:
@@ -194,6 +302,6 @@ def peak_flops(device: Optional[str] = None) -> float:
 
 
 __all__ = [
-    "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "config_flops", "cpu_peak_flops", "estimate_flops",
-    "flops_per_token", "mfu", "peak_flops",
+    "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops", "cpu_peak_flops",
+    "estimate_flops", "flops_per_token", "mfu", "peak_flops", "training_proxy",
 ]

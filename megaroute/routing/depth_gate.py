@@ -124,8 +124,11 @@ class DepthGateLayer(nn.Module):
         blk = self.block
         h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin)
         u = blk.mlp_norm(h)
+        forced = ctx.forced_path(name)
+        if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer
+            return self._dispatch(h, u, torch.full(h.shape[:2], forced == "full", device=h.device))
         scores, forecasts = self.scorer(u)
-        full = self._decide(scores, ctx, name)
+        full = self._decide(scores, ctx)
         ctx.add_stat(f"{name}/full_frac", full.float().mean())
         ctx.add_stat(f"{name}/score_mean", scores.mean())
         if not (self.training and torch.is_grad_enabled()):
@@ -139,19 +142,16 @@ class DepthGateLayer(nn.Module):
         if forecasts is not None:
             ctx.add_loss(f"{name}/jepa_align",
                          self.scorer.align_loss(forecasts, h + full_update, h + cheap_update), self.cfg.align_weight)
-        if self.cfg.needs_oracle and ctx.targets is not None and ctx.forced_path(name) is None:
+        if self.cfg.needs_oracle and ctx.targets is not None:
             labels = self.oracle_labels(ctx, name, h + full_update, h + cheap_update)
             ctx.add_stat(f"{name}/oracle_label_mean", labels.mean())
             ctx.add_loss(f"{name}/utility", F.mse_loss(scores.float(), labels), self.cfg.utility_weight)
             ctx.add_loss(f"{name}/rank", pairwise_rank_loss(scores, labels, self.cfg.rank_pairs), self.cfg.rank_weight)
         return out
 
-    def _decide(self, scores: torch.Tensor, ctx: RoutingContext, name: str) -> torch.Tensor:
+    def _decide(self, scores: torch.Tensor, ctx: RoutingContext) -> torch.Tensor:
         """Which tokens take the full path: [B, T] bool."""
-        forced = ctx.forced_path(name)
-        if forced is not None:
-            return torch.full_like(scores, forced == "full", dtype=torch.bool)
-        B, T = scores.shape
+        T = scores.shape[1]
         if ctx.causal:
             return scores > self.causal_threshold
         idx = dispatch.topk_indices(scores, dispatch.capacity_k(T, self.cfg.budget))
