@@ -12,14 +12,22 @@ from torch import nn
 from ..config import ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
+from .baselines import CapacityBaselineLayer
 from .context import RoutingContext
 from .depth_gate import DepthGateLayer
+from .early_exit import EarlyExitLayer
+from .halting import HaltingLayer
 from .mod import MoDLayer
 
 # method -> routed layer class (dense blocks stay DenseLayer).
 LAYER_TYPES: dict[str, type[nn.Module]] = {
     "mod": MoDLayer,
     "depth_gate": DepthGateLayer,
+    "halting": HaltingLayer,
+    "random": CapacityBaselineLayer,
+    "stride": CapacityBaselineLayer,
+    "first_k": CapacityBaselineLayer,
+    "early_exit": EarlyExitLayer,
 }
 
 # Submodule names that make up a routing controller; everything else is the base model.
@@ -37,6 +45,9 @@ class DenseLayer(nn.Module):
 
 def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig) -> nn.Module:
     block = TransformerBlock(model_cfg)
+    if routing_cfg.method == "early_exit":
+        # Every block must skip exited tokens; the routed ones also own an exit head.
+        return EarlyExitLayer(block, model_cfg, routing_cfg, head=routing_cfg.is_routed(index))
     if not routing_cfg.is_routed(index):
         return DenseLayer(block)
     if routing_cfg.method not in LAYER_TYPES:
@@ -63,5 +74,6 @@ def freeze_base(model: nn.Module) -> list[str]:
     return trainable
 
 
-__all__ = ["CONTROLLER_MODULES", "DenseLayer", "DepthGateLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext",
-           "build_layer", "freeze_base", "is_controller_param"]
+__all__ = ["CONTROLLER_MODULES", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
+           "HaltingLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext", "build_layer", "freeze_base",
+           "is_controller_param"]

@@ -21,6 +21,8 @@ from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from . import dispatch
 from .context import RoutingContext
+from .execute import update_selected
+
 
 def _identity(r: torch.Tensor) -> torch.Tensor:
     return r
@@ -72,16 +74,8 @@ class MoDLayer(nn.Module):
         ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
-        if idx.shape[1] == 0:  # causal mode: nobody in the batch chose this block
-            return x
-
-        x_sel = dispatch.gather_tokens(x, idx)
-        delta = self.block.update(x_sel, pos.select(idx))
         weight = self.gate(logits.gather(1, idx))
-        if valid is not None:
-            weight = torch.where(valid, weight, torch.zeros_like(weight))
-            delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
-        return dispatch.combine_tokens(x, idx, weight, delta)
+        return update_selected(self.block, x, pos, idx, weight, valid)
 
     def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
         target = selected.to(logits.dtype)

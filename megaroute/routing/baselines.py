@@ -1,0 +1,54 @@
+"""Capacity baselines: MoD's compute pattern without a learned router (update weight 1).
+
+Each routed block processes about k = capacity_k(T, c) tokens per sequence, chosen by
+    "random"   k uniform random positions per sequence (training); each token independently with
+               probability c (causal mode: a token's choice must not depend on the others)
+    "stride"   positions t with t % s == s - 1, s = round(1/c): T // s tokens, positional, so
+               the same in every mode (causal by construction)
+    "first_k"  positions t < k, in every mode
+They answer "does the learned router beat a choice that ignores the content?" at equal FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig, RoutingConfig
+from ..model.block import TransformerBlock
+from ..model.rope import Positions
+from . import dispatch
+from .context import RoutingContext
+from .execute import update_selected
+
+
+class CapacityBaselineLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
+        super().__init__()
+        if cfg.method not in ("random", "stride", "first_k"):
+            raise ValueError(f"not a capacity baseline: routing.method={cfg.method!r}")
+        self.block = block
+        self.method = cfg.method
+        self.capacity = cfg.capacity
+        self.stride = max(1, round(1 / cfg.capacity))
+
+    def select(self, x: torch.Tensor, pos: Positions, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (indices [B, k] ascending, valid [B, k] or None when every row is real)."""
+        B, T, _ = x.shape
+        k = dispatch.capacity_k(T, self.capacity)
+        if self.method == "random":
+            if causal:
+                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < self.capacity)
+            return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
+        # Positional rules read each token's own (original) position: causal in every mode.
+        p = pos.positions
+        mask = (p % self.stride == self.stride - 1) if self.method == "stride" else (p < k)
+        return dispatch.mask_indices(mask)
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        idx, valid = self.select(x, pos, ctx.causal)
+        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        ctx.add_stat(f"{name}/selected_frac", selected)
+        ctx.add_exec(name, selected)
+        return update_selected(self.block, x, pos, idx, valid=valid)

@@ -1,0 +1,41 @@
+"""The one compute step every routed layer shares: gather -> block.update -> combine.
+
+    out = x;  out[b, idx[b, j]] += weight[b, j] * block.update(x[b, idx], positions[b, idx])
+
+Tokens keep their original positions (RoPE and the causal mask in index order), the residual is
+added exactly once, and padded rows of a ragged selection (valid = False) contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..model.block import TransformerBlock
+from ..model.rope import Positions
+from . import dispatch
+
+
+def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
+                    weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
+    if idx.shape[1] == 0:  # nobody in the batch runs this block
+        return x
+    delta = block.update(dispatch.gather_tokens(x, idx), pos.select(idx))
+    if weight is None:
+        weight = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device)
+    if valid is not None:
+        # Zero both factors: 0 * (a non-finite padded delta) would still be NaN.
+        weight = torch.where(valid, weight, torch.zeros_like(weight))
+        delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
+    return dispatch.combine_tokens(x, idx, weight, delta)
+
+
+def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask: torch.Tensor,
+                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Ragged selection: runs the block for tokens where mask [B, T] is True; weight is [B, T] or None."""
+    idx, valid = dispatch.mask_indices(mask)
+    if weight is not None:
+        weight = weight.gather(1, idx)
+    return update_selected(block, x, pos, idx, weight, valid)

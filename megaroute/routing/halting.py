@@ -1,0 +1,54 @@
+"""Token-selective halting gates: a per-token p in [0, 1] scales a block's residual update.
+
+    p   = sigmoid(halt(x))                        [B, T], halt = Linear -> SiLU -> Linear (+ bias)
+    soft ("topk", "causal"):  out = x + p * block.update(x)        every token runs the block
+    hard ("hard"):            out = x;  out[p >= tau] += block.update(x[p >= tau])
+                              tokens with p < tau skip the block for real (ragged dispatch)
+
+p reads only the token itself, so both forms are causal. The depth penalty lambda * mean(p)
+(training; lambda = 0 allowed) pushes p down; TLOps at tau (the fraction of tokens with
+p >= tau) is reported in every mode, so soft training runs show what hard inference would spend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig, RoutingConfig
+from ..model.block import TransformerBlock
+from ..model.rope import Positions
+from .context import RoutingContext
+from .execute import update_masked
+
+
+class HaltGate(nn.Module):
+    def __init__(self, d_model: int, hidden: int, init_bias: float):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1, bias=False))
+        # The output bias is a separate parameter: the model's init re-draws every nn.Linear
+        # (zero bias) after construction, which would erase init_bias (the starting p).
+        self.bias = nn.Parameter(torch.tensor(float(init_bias)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net(x).squeeze(-1) + self.bias)
+
+
+class HaltingLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
+        super().__init__()
+        self.block = block
+        self.halt = HaltGate(model_cfg.d_model, cfg.halting.hidden, cfg.halting.init_bias)
+        self.tau = cfg.halting.tau
+        self.penalty = cfg.halting.penalty
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        p = self.halt(x)
+        runs = p >= self.tau
+        ctx.add_stat(f"{name}/p_mean", p.mean())
+        ctx.add_stat(f"{name}/exec_frac", runs.float().mean())
+        ctx.add_exec(name, runs.float().mean())
+        if ctx.mode == "hard":
+            return update_masked(self.block, x, pos, runs)
+        ctx.add_loss(f"{name}/depth_penalty", p.float().mean(), self.penalty)
+        return x + p.unsqueeze(-1).to(x.dtype) * self.block.update(x, pos)
