@@ -1,0 +1,64 @@
+"""Helpers shared by the routed-layer tests: counting executed rows, causality, op counts."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
+
+
+def record_updates(monkeypatch, model) -> dict[int, list[torch.Tensor]]:
+    """Wraps every block's `update`: layer index -> the position tensors [B, rows] it was called with.
+
+    Every routed path and DenseLayer go through block.update, so these are the rows computed."""
+    calls: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    for i, layer in enumerate(model.layers):
+        original = layer.block.update
+
+        def update(x, pos, i=i, original=original):
+            calls[i].append(pos.positions.clone())
+            return original(x, pos)
+
+        monkeypatch.setattr(layer.block, "update", update)
+    return calls
+
+
+def rows(calls: dict[int, list[torch.Tensor]], i: int) -> int:
+    return sum(p.numel() for p in calls.get(i, []))
+
+
+def assert_causal(run, tokens: torch.Tensor, vocab: int, ts=(0, 3, 8, 14)) -> None:
+    """run(tokens) -> logits. Changing tokens after t leaves logits at <= t unchanged (and changes later ones)."""
+    base = run(tokens)
+    for t in ts:
+        changed = tokens.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] * 7 + 3) % vocab
+        logits = run(changed)
+        torch.testing.assert_close(logits[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-5)
+        assert (logits[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3
+
+
+class OpCounter(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__qualname__", repr(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_counts(run, batch_sizes=(1, 6)) -> list[collections.Counter]:
+    """Torch calls per forward for each batch size: equal counts mean no per-sample Python loop."""
+    counts = []
+    for B in batch_sizes:
+        with OpCounter() as counter:
+            run(B)
+        counts.append(counter.calls)
+    return counts
