@@ -45,9 +45,10 @@ class HaltingLayer(nn.Module):
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         p = self.halt(x)
         runs = p >= self.tau
+        exec_frac = runs.float().mean()
         ctx.add_stat(f"{name}/p_mean", p.mean())
-        ctx.add_stat(f"{name}/exec_frac", runs.float().mean())
-        ctx.add_exec(name, runs.float().mean())
+        ctx.add_stat(f"{name}/exec_frac", exec_frac)
+        ctx.add_exec(name, exec_frac)
         if ctx.mode == "hard":
             return update_masked(self.block, x, pos, runs)
         ctx.add_loss(f"{name}/depth_penalty", p.float().mean(), self.penalty)
