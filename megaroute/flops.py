@@ -32,7 +32,7 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
   outcomes and the oracle-label passes are `no_grad` (forward only): per labelled block, two
   passes over the rest of the network (blocks after it plus the LM head) from the full and
   the cheap outcome; off-policy passes run later gated blocks full (no scorer), on-policy passes
-  run them as gated at inference.
+  run them as gated at inference. With `oracle_layers = n`, the expected n of them per step.
 * Halting gates: the gate MLP on all T tokens; training (soft) runs every block on every token,
   and so does this estimate at inference: hard-mode savings depend on the learned p and are
   measured (TLOps), not predicted.
@@ -175,6 +175,8 @@ def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forw
             forced_full = g.oracle == "off_policy" and routing.is_routed(j)
             rest += dense_block if forced_full else layer_forward[j]
         total += 2 * (rest + head)
+    if g.oracle_layers:  # each block labelled with probability oracle_layers / gated blocks
+        total = total * min(len(gated), g.oracle_layers) // len(gated)
     return total
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from .config import Config
 from .config.cli import add_config_args
-from .flops import COMPONENTS, config_flops
+from .flops import COMPONENTS, config_flops, training_proxy
 from .memory import estimate_memory
 
 # Parameters Megatron-style TP keeps whole on every rank (norms are 1-D and caught by ndim).
@@ -59,6 +59,7 @@ def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: 
             "train_per_token": flops.per_token(training=True),
         },
         "memory": memory.as_dict(),
+        "train_proxy": training_proxy(cfg.model, cfg.routing, cfg.data.seq_len),
     }
 
 
@@ -73,6 +74,24 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _routing_summary(r, n_layers: int, T: int, tokens_per_layer) -> str:
+    routed = [i for i in range(n_layers) if r.is_routed(i)]
+    where = f"{len(routed)} of {n_layers} blocks routed (every {r.every}, offset {r.offset})"
+    if r.method == "depth_gate":
+        g = r.depth_gate
+        oracle = (f", oracle {g.oracle} (utility {g.utility_weight:g}, rank {g.rank_weight:g})"
+                  if g.needs_oracle else "")
+        return (f"depth_gate ({g.gate} gate): {where}, full FFN for {g.budget:g} of the tokens, cheap "
+                f"{g.cheap} {g.cheap_hidden}{oracle}")
+    if r.method == "halting":
+        return f"halting: {where}, penalty {r.halting.penalty:g}, tau {r.halting.tau:g}"
+    if r.method == "early_exit":
+        return f"early_exit: {where}, exit threshold {r.early_exit.threshold:g}"
+    k = tokens_per_layer[routed[0]]
+    causal = f", causal method {r.causal_method}" if r.method == "mod" else ""
+    return f"{r.method}: {where}, k = {k} of {T} tokens{causal}"
+
+
 def format_report(cfg: Config, info: dict) -> str:
     m, r, p, f, mem = cfg.model, cfg.routing, info["params"], info["flops"], info["memory"]
     T = f["seq_len"]
@@ -82,10 +101,7 @@ def format_report(cfg: Config, info: dict) -> str:
         f"vocab {m.vocab_size}, tied embeddings {'yes' if m.tie_embeddings else 'no'}",
     ]
     if r.method != "none":
-        routed = [i for i in range(m.n_layers) if r.is_routed(i)]
-        k = f["tokens_per_layer"][routed[0]]
-        lines.append(f"routing     {r.method}: {len(routed)} of {m.n_layers} blocks routed (every {r.every}, "
-                     f"offset {r.offset}), k = {k} of {T} tokens, causal method {r.causal_method}")
+        lines.append(f"routing     {_routing_summary(r, m.n_layers, T, f['tokens_per_layer'])}")
     lines += [
         f"parameters  total {p['total']:,} ({_si(p['total'])})   non-embedding {p['non_embedding']:,} "
         f"({_si(p['non_embedding'])})",
@@ -95,8 +111,14 @@ def format_report(cfg: Config, info: dict) -> str:
     ]
     for name in COMPONENTS:
         fwd = f["components"][name] / T
-        lines.append(f"  {name:<14}{_si(fwd, 'FLOP'):>16}{_si(3 * fwd, 'FLOP'):>16}")
+        train = 3 * (f["components"][name] + f["train_extra"].get(name, 0)) / T
+        lines.append(f"  {name:<14}{_si(fwd, 'FLOP'):>16}{_si(train, 'FLOP'):>16}")
+    for name, value in f["no_grad"].items():
+        if value:
+            lines.append(f"  {name + ' (no grad)':<22}{_si(value / T, 'FLOP'):>24}")
     lines.append(f"  {'total':<14}{_si(f['inference_per_token'], 'FLOP'):>16}{_si(f['train_per_token'], 'FLOP'):>16}")
+    if r.method != "none":
+        lines.append(f"  training FLOPs vs the full-only (dense) model: {info['train_proxy']:.3f}x")
     if f["recompute"]:
         lines.append(f"  + activation recomputation {_si(f['recompute'] / T, 'FLOP')} per token (hardware FLOPs)")
     lines += [

@@ -101,17 +101,27 @@ def activation_bytes(
     activation_checkpointing: bool = False,
 ) -> int:
     """Bytes autograd keeps for backward for one micro-batch on one GPU (see module docstring)."""
-    if routing.method not in ("none", "mod"):
-        raise NotImplementedError(f"activation memory for routing.method {routing.method!r} is not modeled")
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
 
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
         return n * (4 * d + (7 * d + 4 * f) / tp)
 
-    k = capacity_k(T, routing.capacity)
-    routed_layer = T * d + block(k) + k * d  # full-length input for the router, block on k, delta
-    layers = [routed_layer if routing.is_routed(i) else block(T) for i in range(model.n_layers)]
+    def routed_layer() -> float:
+        method = routing.method
+        if method in ("mod", "random", "stride", "first_k"):
+            k = T // max(1, round(1 / routing.capacity)) if method == "stride" else capacity_k(T, routing.capacity)
+            return T * d + block(k) + k * d  # full-length input for the router, block on k, delta
+        if method == "depth_gate":  # both paths for every token: + cheap hidden, cheap output, scorer
+            g = routing.depth_gate
+            return block(T) + T * (2 * g.cheap_hidden + d + 2 * g.gate_hidden + 4 * g.latent_dim)
+        if method == "halting":  # gate MLP hidden and the un-scaled update
+            return block(T) + T * (routing.halting.hidden + d)
+        if method == "early_exit":
+            return block(T) + T
+        raise NotImplementedError(f"activation memory for routing.method {method!r} is not modeled")
+
+    layers = [routed_layer() if routing.is_routed(i) else block(T) for i in range(model.n_layers)]
     if activation_checkpointing:
         body = model.n_layers * T * d * p + max(layers) * p
     else:

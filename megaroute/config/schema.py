@@ -96,6 +96,10 @@ class DepthGateConfig:
     rank_weight: float = 0.0
     oracle: Literal["off_policy", "on_policy"] = "off_policy"
     rank_pairs: int = 256
+    # Oracle labels cost two passes over the rest of the network per labelled block. 0 labels every
+    # gated block every step; n > 0 labels each block with probability n / (gated blocks), so n
+    # blocks per step on average.
+    oracle_layers: int = 0
     # Causal (evaluation) decisions threshold the score at a running estimate of the top-k cut.
     threshold_momentum: float = 0.99
 
@@ -103,6 +107,7 @@ class DepthGateConfig:
         _require(0.0 < self.budget <= 1.0, f"{path}.budget", f"must be in (0, 1], got {self.budget}")
         for name in ("gate_hidden", "cheap_hidden", "latent_dim", "rank_pairs"):
             _require(getattr(self, name) > 0, f"{path}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.oracle_layers >= 0, f"{path}.oracle_layers", f"must be >= 0, got {self.oracle_layers}")
         for name in ("align_weight", "utility_weight", "rank_weight"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", f"must be >= 0, got {getattr(self, name)}")
         _require(0.0 <= self.threshold_momentum < 1.0, f"{path}.threshold_momentum",

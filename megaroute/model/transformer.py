@@ -77,12 +77,14 @@ class Transformer(nn.Module):
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}))
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
+        ctx.readout = lambda h: self.lm_head(self.norm(h))
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, ctx, f"layer_{i}")
         logits = self.lm_head(self.norm(x))
         for fn in ctx.deferred:
             fn(logits)
+        ctx.deferred.clear()  # the closures reference ctx: break the cycle so activations free promptly
         if ctx.exec_frac:
             # Token-layer operations executed, as a fraction of running every block for every token.
             executed = sum(ctx.exec_frac.values()) + (len(self.layers) - len(ctx.exec_frac))

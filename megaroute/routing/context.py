@@ -34,6 +34,8 @@ class RoutingContext:
     active: Optional[torch.Tensor] = None
     # Losses that need the final logits (early-exit heads); called by the model as fn(logits).
     deferred: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
+    # h -> logits through the model's final norm and LM head (early-exit consistency labels).
+    readout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     # Token-layer operations: per layer, the fraction of tokens whose block ran in full.
     exec_frac: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -62,3 +64,15 @@ class RoutingContext:
 
     def total_aux_loss(self) -> torch.Tensor | None:
         return sum(self.aux_losses.values()) if self.aux_losses else None
+
+
+def eval_modes(method: str) -> dict[str, str]:
+    """Validation metric suffix -> routing mode for a routing method ("val/loss" + suffix).
+
+    Halting gates are causal in soft mode already; their second mode is the hard skip at tau.
+    """
+    if method == "none":
+        return {"": "topk"}
+    if method == "halting":
+        return {"": "topk", "_hard": "hard"}
+    return {"": "topk", "_causal": "causal"}

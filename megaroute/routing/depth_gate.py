@@ -116,6 +116,8 @@ class DepthGateLayer(nn.Module):
         self.cfg = cfg.depth_gate
         self.scorer = SCORERS[self.cfg.gate](model_cfg.d_model, self.cfg)
         self.cheap = build_cheap_ffn(model_cfg.d_model, self.cfg)
+        gated = sum(cfg.is_routed(i) for i in range(model_cfg.n_layers))
+        self.label_prob = min(1.0, self.cfg.oracle_layers / gated) if self.cfg.oracle_layers else 1.0
         # Running estimate of the per-sequence top-k cut on the score, for causal decisions.
         self.register_buffer("causal_threshold", torch.zeros(()))
         self.register_buffer("threshold_updates", torch.zeros((), dtype=torch.long))
@@ -142,12 +144,15 @@ class DepthGateLayer(nn.Module):
         if forecasts is not None:
             ctx.add_loss(f"{name}/jepa_align",
                          self.scorer.align_loss(forecasts, h + full_update, h + cheap_update), self.cfg.align_weight)
-        if self.cfg.needs_oracle and ctx.targets is not None:
+        if self.cfg.needs_oracle and ctx.targets is not None and self._label_this_step():
             labels = self.oracle_labels(ctx, name, h + full_update, h + cheap_update)
             ctx.add_stat(f"{name}/oracle_label_mean", labels.mean())
             ctx.add_loss(f"{name}/utility", F.mse_loss(scores.float(), labels), self.cfg.utility_weight)
             ctx.add_loss(f"{name}/rank", pairwise_rank_loss(scores, labels, self.cfg.rank_pairs), self.cfg.rank_weight)
         return out
+
+    def _label_this_step(self) -> bool:
+        return self.label_prob >= 1.0 or bool(torch.rand(()) < self.label_prob)
 
     def _decide(self, scores: torch.Tensor, ctx: RoutingContext) -> torch.Tensor:
         """Which tokens take the full path: [B, T] bool."""

@@ -66,12 +66,8 @@ class EarlyExitLayer(nn.Module):
 
     def _consistency_loss(self, ctx: RoutingContext, name: str, h: torch.Tensor, confidence: torch.Tensor,
                           final_logits: torch.Tensor) -> None:
-        readout = getattr(ctx, "readout", None)
-        if readout is None:
-            raise RuntimeError("early-exit training needs ctx.readout (h -> logits through the model's final "
-                               "norm and LM head), set by the model")
         with torch.no_grad():
-            label = (readout(h).argmax(-1) == final_logits.argmax(-1)).float()
+            label = (ctx.readout(h).argmax(-1) == final_logits.argmax(-1)).float()
         ctx.add_loss(f"{name}/exit_bce", F.binary_cross_entropy_with_logits(confidence.float(), label),
                      self.loss_weight)
         ctx.add_stat(f"{name}/exit_label_frac", label.mean())

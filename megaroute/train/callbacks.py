@@ -60,6 +60,50 @@ class ProgressPrinter(Callback):
                    f"(skipped steps: {trainer.state.skipped_steps})", flush=True)
 
 
+class LossSummary(Callback):
+    """Adds the run-level loss figures routed-depth papers compare: val/best_loss, val/avg_loss,
+    train/avg_loss, and once per threshold the first step validation loss reached it
+    (val/threshold_hit_step/<threshold>). Its state rides in the checkpoint, so resuming keeps it.
+    Place it before the callbacks that record metrics."""
+
+    def __init__(self, thresholds: list[float]):
+        self.thresholds = sorted(thresholds, reverse=True)
+        self.best = math.inf
+        self.val_sum = self.train_sum = 0.0
+        self.val_n = self.train_n = 0
+        self.hits: dict[str, int] = {}
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        if math.isfinite(metrics["train/loss"]):
+            self.train_sum += metrics["train/loss"]
+            self.train_n += 1
+        if self.train_n:
+            metrics["train/avg_loss"] = self.train_sum / self.train_n
+
+    def on_eval(self, trainer: Trainer, metrics: dict) -> None:
+        loss = metrics.get("val/loss", math.nan)
+        if not math.isfinite(loss):
+            return
+        self.best = min(self.best, loss)
+        self.val_sum += loss
+        self.val_n += 1
+        metrics["val/best_loss"] = self.best
+        metrics["val/avg_loss"] = self.val_sum / self.val_n
+        for t in self.thresholds:
+            key = f"{t:g}"
+            if key not in self.hits and loss <= t:
+                self.hits[key] = trainer.state.step
+                metrics[f"val/threshold_hit_step/{key}"] = float(trainer.state.step)
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "val_sum": self.val_sum, "val_n": self.val_n, "train_sum": self.train_sum,
+                "train_n": self.train_n, "hits": dict(self.hits)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, dict(value) if key == "hits" else value)
+
+
 class MetricsFile(Callback):
     """Appends every step's and eval's metrics to <run_dir>/metrics.jsonl (rank 0)."""
 
@@ -87,16 +131,13 @@ class MLflowLogger(Callback):
     def __init__(self, tracker: MLflowTracker, interval: int):
         self.tracker = tracker
         self.interval = interval
-        self.best_val = math.inf
 
     def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
         if trainer.state.step % self.interval == 0 or trainer.state.step == trainer.total_steps:
             self.tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, trainer.state.step)
 
     def on_eval(self, trainer: Trainer, metrics: dict) -> None:
-        self.best_val = min(self.best_val, metrics.get("val/loss", math.inf))
-        extra = {"val/best_loss": self.best_val} if math.isfinite(self.best_val) else {}
-        self.tracker.log_metrics({**metrics, **extra}, trainer.state.step)
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, trainer.state.step)
 
     def on_train_end(self, trainer: Trainer) -> None:
         self.tracker.close(self.STATUS.get(trainer.state.stop_reason, "FAILED"))

@@ -93,3 +93,22 @@ def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int, m
         mpu=mpu,
     )
     return engine, optimizer, scheduler
+
+
+def grad_norms(groups: dict[str, list[torch.nn.Parameter]]) -> dict[str, float]:
+    """L2 norm of the full (unpartitioned) gradient of each named parameter group.
+
+    Collective under ZeRO (DeepSpeed assembles partitioned gradients): every rank must call it,
+    after the last backward and before the optimizer step.
+    """
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for name, params in groups.items():
+        total = 0.0
+        for p in params:
+            g = safe_get_full_grad(p)
+            if g is not None:
+                total += float(g.detach().float().pow(2).sum())
+        out[f"grad_norm/{name}"] = total ** 0.5
+    return out

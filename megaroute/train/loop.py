@@ -43,7 +43,8 @@ class Trainer:
     def __init__(self, engine, optimizer, batches: Iterator, evaluate: Callable[[], dict], *, total_steps: int,
                  accumulation: int, tokens_per_step: int, flops_per_token: float, eval_interval: int,
                  max_nonfinite_steps: int, stop_signal, callbacks: list[Callback], state: TrainState,
-                 count_overflow_as_nonfinite: bool = True, exit_interval: Optional[int] = None):
+                 count_overflow_as_nonfinite: bool = True, exit_interval: Optional[int] = None,
+                 grad_probe: Optional[Callable[[], dict[str, float]]] = None, probe_interval: int = 1):
         self.engine, self.optimizer, self.batches, self.evaluate = engine, optimizer, batches, evaluate
         self.total_steps, self.accumulation = total_steps, accumulation
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
@@ -52,6 +53,9 @@ class Trainer:
         # fp16 loss scaling skips overflowing steps by design; only non-finite losses count then.
         self.count_overflow_as_nonfinite = count_overflow_as_nonfinite
         self.exit_interval = exit_interval
+        # Called on every rank between the last backward and the optimizer step of every
+        # `probe_interval`-th step (e.g. gradient norms per parameter group); may be collective.
+        self.grad_probe, self.probe_interval = grad_probe, probe_interval
 
     def _emit(self, event: str, *args) -> None:
         for cb in self.callbacks:
@@ -81,6 +85,9 @@ class Trainer:
         lm_loss, local_bad = 0.0, False
         aux: dict[str, float] = {}
         stats: dict[str, float] = {}
+        probed: dict[str, float] = {}
+        step = self.state.step + 1
+        probe_now = self.grad_probe is not None and (step % self.probe_interval == 0 or step in (1, self.total_steps))
         for micro in range(self.accumulation):
             inputs, targets = next(self.batches)
             out = self.engine(inputs.to(self.engine.device), targets.to(self.engine.device))
@@ -98,6 +105,8 @@ class Trainer:
                 if hasattr(self.optimizer, "nonfinite_loss"):
                     self.optimizer.nonfinite_loss = n_bad > 0
             self.engine.backward(out.loss)
+            if probe_now and micro == self.accumulation - 1:
+                probed = self.grad_probe()
             self.engine.step()
 
         skipped = not self.engine.was_step_applied() or getattr(self.optimizer, "last_step_skipped", False)
@@ -122,5 +131,6 @@ class Trainer:
             "perf/step_time_s": time.perf_counter() - start,
             **{f"aux/{k}": v for k, v in aux.items()},
             **{f"routing/{k}": v for k, v in stats.items()},
+            **probed,
         }
         return metrics, n_stop > 0

@@ -78,7 +78,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     from ..flops import flops_per_token
     from ..model import build_model
     from . import engine as ds
-    from .callbacks import MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, SpeedMeter
+    from .callbacks import LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, SpeedMeter
     from .checkpoint import CheckpointManager
     from .loop import Trainer, TrainState
 
@@ -86,6 +86,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     dp_size = ds.data_parallel_size(cfg, env.world_size)
     ds_config = ds.deepspeed_config(cfg, dp_size)
     check_data(cfg)
+    init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
     # ---- process group, data, model, engine ----
     ds.init_distributed(env)
@@ -106,8 +107,16 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
     _seed_everything(cfg.train.seed)
     model = build_model(cfg.model, cfg.routing)
-    if cfg.checkpoint.init_from:
-        _init_from(model, cfg.checkpoint.init_from)
+    if init_path:
+        _init_from(model, init_path, controller_only=cfg.train.controller_only)
+    if cfg.train.controller_only:
+        from ..routing import freeze_base
+
+        trainable = freeze_base(model)
+        if env.is_main:
+            n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            print(f"controller-only: training {n:,} of {model.num_params():,} parameters "
+                  f"({len(trainable)} tensors)", flush=True)
     fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     total_steps = _total_steps(cfg, tokens_per_step, fpt)
@@ -120,6 +129,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
                             cfg.data.seed)
     state = TrainState()
+    summary = LossSummary(cfg.train.loss_thresholds)
     resumed_run_id = None
     ckpt_root = os.path.join(run_dir, cfg.checkpoint.dir)
     manager = CheckpointManager(ckpt_root, cfg.checkpoint.keep_last, env.rank)
@@ -131,17 +141,19 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
             _check_resume_compat(client, chash, tokenizer.hash, tag)
             state = TrainState(**{**client["train_state"], "stop_reason": None, "nonfinite_streak": 0})
             loader.load_state_dict(client["loader"])
+            summary.load_state_dict(client.get("loss_summary", {}))
             resumed_run_id = client.get("mlflow_run_id")
             if env.is_main:
                 print(f"resumed from {os.path.join(ckpt_root, tag)} at step {state.step}", flush=True)
 
     def client_state() -> dict:
         return {"train_state": state.state_dict(), "loader": loader.state_dict(), "config_hash": chash,
-                "tokenizer_hash": tokenizer.hash, "mlflow_run_id": tracker.run_id if tracker else None}
+                "tokenizer_hash": tokenizer.hash, "mlflow_run_id": tracker.run_id if tracker else None,
+                "loss_summary": summary.state_dict()}
 
     stop = StopSignal().install()
     tracker = _make_tracker(cfg, env, resumed_run_id, tokenizer) if env.is_main else None
-    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size)]
+    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary]
     if env.is_main:
         callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(run_dir, "metrics.jsonl"))]
     callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))
@@ -154,6 +166,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
         count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
+        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model)), probe_interval=cfg.train.log_interval,
     )
     try:
         final = trainer.fit()
@@ -205,8 +218,14 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
             "host": socket.gethostname(), "world_size": str(env.world_size), "routing": cfg.routing.method,
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}),
             **cfg.tracking.tags}
+    from ..flops import config_flops, training_proxy
+
+    flops = config_flops(cfg)
+    params = {**flatten(cfg), "flops.train_per_token": flops.per_token(training=True),
+              "flops.inference_per_token": flops.per_token(training=False),
+              "flops.train_proxy_vs_full": round(training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), 4)}
     tracker = MLflowTracker(cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment, cfg.name,
-                            params=flatten(cfg), tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
+                            params=params, tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
                             run_id=run_id)
     tracker.log_artifact(os.path.join(cfg.run_dir, "config.yaml"))
     tracker.log_artifact(os.path.join(cfg.run_dir, "ds_config.json"))
@@ -214,37 +233,92 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
     return tracker
 
 
+def _param_groups_by_role(model) -> dict[str, list]:
+    """Trainable parameters split into the base model and the routing controller (for grad norms)."""
+    from ..routing import is_controller_param
+
+    groups: dict[str, list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault("controller" if is_controller_param(name) else "base", []).append(p)
+    return groups
+
+
 @torch.no_grad()
 def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[str, float]:
-    """Mean validation loss over a fixed set of batches, in each routing mode the model has."""
+    """Mean validation loss over a fixed set of batches in each routing mode of the method, plus
+    the token-layer operations executed (TLOps) and full-path fraction where the method has them."""
     from ..data.loader import SequenceLoader
+    from ..routing.context import eval_modes
 
-    modes = ["topk", "causal"] if cfg.routing.method != "none" else ["topk"]
     mb = cfg.train.micro_batch_size
     engine.eval()
     out = {}
-    for mode in modes:
+    for suffix, mode in eval_modes(cfg.routing.method).items():
         loader = SequenceLoader(val_set, mb, mb * dp_size, dp_rank, dp_size, seed=0)
         batches = iter(loader)
-        total = 0.0
+        sums: dict[str, float] = {}
         for _ in range(cfg.train.eval_batches):
             x, y = next(batches)
-            total += float(engine(x.to(engine.device), y.to(engine.device), routing_mode=mode).lm_loss)
-        t = torch.tensor([total / cfg.train.eval_batches], dtype=torch.float64)
+            result = engine(x.to(engine.device), y.to(engine.device), routing_mode=mode)
+            stats = result.routing_stats
+            full = [float(v) for k, v in stats.items() if k.endswith("/full_frac")]
+            for key, value in (("loss", float(result.lm_loss)), ("tlops_frac", stats.get("tlops_frac")),
+                               ("full_frac", sum(full) / len(full) if full else None)):
+                if value is not None:
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        keys = sorted(sums)
+        t = torch.tensor([sums[k] / cfg.train.eval_batches for k in keys], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(t)
             t /= dist.get_world_size()
-        out["val/loss" if mode == "topk" else "val/loss_causal"] = float(t)
+        out.update({f"val/{k}{suffix}": float(v) for k, v in zip(keys, t)})
+    if "val/loss_hard" in out:
+        out["val/soft_hard_gap"] = out["val/loss_hard"] - out["val/loss"]
     engine.train()
     return out
 
 
-def _init_from(model, path: str) -> None:
-    """Loads model weights from a converted or consolidated checkpoint file (strict=False for new modules)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    missing, unexpected = model.load_state_dict(state.get("module", state), strict=False)
+def resolve_init_from(path: str) -> str:
+    """checkpoint.init_from: a model-states file, a checkpoint tag directory, a checkpoints root
+    (its `latest`) or a run directory (its checkpoints/latest) -> the model-states file."""
+    from .checkpoint import LATEST
+
+    candidates = [path]
+    if os.path.isdir(path):
+        roots = [path, os.path.join(path, "checkpoints")]
+        for root in roots:
+            latest = os.path.join(root, LATEST)
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    candidates.append(os.path.join(root, f.read().strip()))
+        candidates = [os.path.join(c, "mp_rank_00_model_states.pt") for c in [path, *candidates[1:]]]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    raise ConfigError("checkpoint.init_from", f"no model weights at {path!r} (expected a model-states .pt "
+                                              "file, a checkpoint directory, or a run directory with checkpoints)")
+
+
+def _init_from(model, path: str, controller_only: bool = False) -> None:
+    """Loads model weights from a checkpoint (strict=False: a routed model has controller modules a
+    dense checkpoint lacks). Every base parameter must be present: a silently random base would
+    make controller-only training meaningless."""
+    from ..routing import is_controller_param
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    weights = state.get("module", state)
+    if not weights:
+        raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
+                                                  "it with DeepSpeed's zero_to_fp32 first)")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected:
         raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")
+    params = dict(model.named_parameters())
+    base_missing = [k for k in missing if k in params and not is_controller_param(k)]
+    if base_missing:
+        raise ConfigError("checkpoint.init_from", f"{path} lacks base weights {base_missing[:5]}"
+                          + (" (controller-only training would train on a random base)" if controller_only else ""))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

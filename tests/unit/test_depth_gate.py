@@ -257,3 +257,11 @@ def test_no_oracle_work_without_targets_or_weights(make_model, monkeypatch):
     monkeypatch.setattr(type(plain), "_suffix_loss", lambda self, *a: calls.append(a))
     plain(tokens_for(cfg, 2, 8), tokens_for(cfg, 2, 8))
     assert calls == []
+
+
+def test_oracle_layers_labels_a_random_subset_per_step(make_model):
+    model, cfg = make_model(*G1, *ORACLE, "routing.depth_gate.oracle_layers=1")
+    assert all(layer.label_prob == 0.25 for layer in gated_layers(model))
+    tokens = tokens_for(cfg, 1, 8)
+    counts = [sum(k.endswith("/utility") for k in model(tokens, tokens).aux_losses) for _ in range(40)]
+    assert 0.5 < sum(counts) / len(counts) < 1.6 and max(counts) <= 4

@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from megaroute.config import Config, ModelConfig, ParallelConfig, RoutingConfig
+from megaroute.config import Config, DepthGateConfig, ModelConfig, ParallelConfig, RoutingConfig
 from megaroute.flops import (
     COMPONENTS,
     config_flops,
@@ -25,6 +25,7 @@ from megaroute.flops import (
     flops_per_token,
     mfu,
     peak_flops,
+    training_proxy,
 )
 from megaroute.model import build_model
 from megaroute.routing.dispatch import capacity_k
@@ -65,15 +66,17 @@ def _component(module_path: str) -> str | None:
         return "attn_proj"
     if module_path.endswith(".attn"):
         return "attn_scores"  # SDPA runs in attn itself; its children are subtracted below
-    for name in ("mlp", "router", "predictor", "lm_head"):
+    for name in ("mlp", "cheap", "router", "predictor", "lm_head"):
         if module_path.endswith(f".{name}"):
             return name
+    if module_path.endswith((".scorer", ".halt", ".exit_head")):
+        return "gate"
     return None
 
 
-def _count(model, tokens, backward: bool, custom_mapping=CPU_FLASH_FLOPS) -> tuple[int, dict[str, int]]:
+def _count(model, tokens, backward: bool, custom_mapping=CPU_FLASH_FLOPS, **kwargs) -> tuple[int, dict[str, int]]:
     with FlopCounterMode(display=False, depth=None, custom_mapping=custom_mapping) as counter:
-        out = model(tokens, targets=tokens)
+        out = model(tokens, targets=tokens, **kwargs)
         if backward:
             out.loss.backward()
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
@@ -219,3 +222,63 @@ def test_mfu_and_peak_flops():
         peak_flops("Some Unknown Accelerator")
     with pytest.raises(ValueError):
         mfu(1.0, 1.0, 0.0)
+
+
+# Routing methods whose training forward differs from inference (both depth-gate paths,
+# oracle-label passes, frozen heads). id -> (routing kwargs, seq_len).
+GATE_CASES = {
+    "g1_low_rank": (dict(method="depth_gate", every=2, offset=1, depth_gate=DepthGateConfig(gate="mlp")), 40),
+    "g3_narrow_oddT": (dict(method="depth_gate", every=1, offset=0,
+                            depth_gate=DepthGateConfig(gate="jepa", cheap="narrow", cheap_hidden=24, budget=0.3)), 37),
+    "g1_oracle_off_policy": (dict(method="depth_gate", every=1, offset=0,
+                                  depth_gate=DepthGateConfig(utility_weight=1.0, rank_weight=1.0)), 32),
+    "g3_oracle_on_policy": (dict(method="depth_gate", every=2, offset=0,
+                                 depth_gate=DepthGateConfig(gate="jepa", utility_weight=1.0, oracle="on_policy")), 30),
+}
+
+
+def _gate_model(case: str):
+    routing_kw, T = GATE_CASES[case]
+    model_cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=4, n_heads=4, max_seq_len=128)
+    routing = RoutingConfig(**routing_kw)
+    torch.manual_seed(0)
+    model = build_model(model_cfg, routing)
+    return model, torch.randint(0, 128, (BATCH, T)), estimate_flops(model_cfg, routing, T)
+
+
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_gated_inference_forward_matches_flop_counter(case):
+    model, tokens, est = _gate_model(case)
+    model.eval()
+    with torch.no_grad():
+        total, counted = _count(model, tokens, backward=False)
+    assert total == BATCH * est.forward
+    for name in COMPONENTS:
+        assert counted.get(name, 0) == BATCH * est.components[name], name
+
+
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_gated_training_matches_flop_counter(case):
+    """Both paths forward+backward, plus forward-only oracle passes and the frozen target head."""
+    model, tokens, est = _gate_model(case)
+    total, _ = _count(model, tokens, backward=True)
+    flash_recompute = est.components["attn_scores"] // 2
+    assert total == BATCH * (est.train + flash_recompute)
+    assert (est.no_grad["oracle"] > 0) == ("oracle" in case)
+
+
+def test_training_proxy_counts_both_paths_and_oracle_passes():
+    model = ModelConfig(vocab_size=512, d_model=128, n_layers=6, n_heads=4, max_seq_len=512)
+    T = 256
+    plain = RoutingConfig(method="depth_gate", every=1, offset=0)
+    oracle = RoutingConfig(method="depth_gate", every=1, offset=0, depth_gate=DepthGateConfig(utility_weight=1.0))
+    dense = estimate_flops(model, RoutingConfig(), T)
+    est = estimate_flops(model, plain, T)
+    assert training_proxy(model, plain, T) == pytest.approx(est.train / dense.train)
+    assert 1.0 < training_proxy(model, plain, T) < 1.2 < training_proxy(model, oracle, T)
+    # Inference sends half the tokens down the cheap path: cheaper than dense.
+    assert est.forward < dense.forward
+    # Oracle: for each gated block, two passes over the blocks after it and the LM head.
+    block = sum(dense.components[c] for c in ("attn_proj", "attn_scores", "mlp")) // 6
+    expected = sum(2 * ((5 - i) * block + dense.components["lm_head"]) for i in range(6))
+    assert estimate_flops(model, oracle, T).no_grad["oracle"] == expected
