@@ -55,7 +55,7 @@ class EarlyExitLayer(nn.Module):
         confident = torch.sigmoid(confidence) > self.threshold
         if not ctx.causal:
             ctx.add_stat(f"{name}/exit_frac", confident.float().mean())  # would exit here
-            if self.loss_weight > 0:
+            if self.loss_weight > 0 and torch.is_grad_enabled():  # labels cost an LM-head readout
                 ctx.deferred.append(partial(self._consistency_loss, ctx, name, h, confidence))
             return x
         running = torch.ones_like(confident) if active is None else active

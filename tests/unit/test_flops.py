@@ -50,6 +50,10 @@ CASES = {
                                 predictor_hidden=48), 77),
     "mod_sigmoid_c1.0": (dict(tie_embeddings=False), dict(method="mod", capacity=1.0, every=3, offset=2,
                                                           gate="sigmoid"), 50),
+    "random_c0.25_oddT": (dict(tie_embeddings=True), dict(method="random", capacity=0.25, every=2, offset=1), 77),
+    "stride_c0.125_oddT": (dict(tie_embeddings=True), dict(method="stride", capacity=0.125, every=1, offset=0), 83),
+    "first_k_c0.5": (dict(tie_embeddings=False), dict(method="first_k", capacity=0.5, every=2, offset=0), 64),
+    "halting_every1": (dict(tie_embeddings=True), dict(method="halting", every=1, offset=0), 48),
 }
 
 
@@ -234,6 +238,9 @@ GATE_CASES = {
                                   depth_gate=DepthGateConfig(utility_weight=1.0, rank_weight=1.0)), 32),
     "g3_oracle_on_policy": (dict(method="depth_gate", every=2, offset=0,
                                  depth_gate=DepthGateConfig(gate="jepa", utility_weight=1.0, oracle="on_policy")), 30),
+    "g1_oracle_sampled": (dict(method="depth_gate", every=1, offset=0,
+                               depth_gate=DepthGateConfig(utility_weight=1.0, oracle_layers=4)), 24),
+    "early_exit_every2": (dict(method="early_exit", every=2, offset=1), 40),
 }
 
 
@@ -251,7 +258,9 @@ def test_gated_inference_forward_matches_flop_counter(case):
     model, tokens, est = _gate_model(case)
     model.eval()
     with torch.no_grad():
-        total, counted = _count(model, tokens, backward=False)
+        # Early exit at inference is its causal mode; untrained heads retire no token (the estimate).
+        total, counted = _count(model, tokens, backward=False,
+                                routing_mode="causal" if case.startswith("early_exit") else "topk")
     assert total == BATCH * est.forward
     for name in COMPONENTS:
         assert counted.get(name, 0) == BATCH * est.components[name], name
@@ -263,8 +272,11 @@ def test_gated_training_matches_flop_counter(case):
     model, tokens, est = _gate_model(case)
     total, _ = _count(model, tokens, backward=True)
     flash_recompute = est.components["attn_scores"] // 2
-    assert total == BATCH * (est.train + flash_recompute)
+    # Exit heads read a detached hidden state: their input gradient (= their forward) is not computed.
+    detached = est.components["gate"] if case.startswith("early_exit") else 0
+    assert total == BATCH * (est.train + flash_recompute - detached)
     assert (est.no_grad["oracle"] > 0) == ("oracle" in case)
+    assert (est.no_grad["exit_labels"] > 0) == case.startswith("early_exit")
 
 
 def test_training_proxy_counts_both_paths_and_oracle_passes():
