@@ -27,11 +27,12 @@ class HaltGate(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1, bias=False))
         # The output bias is a separate parameter: the model's init re-draws every nn.Linear
-        # (zero bias) after construction, which would erase init_bias (the starting p).
-        self.bias = nn.Parameter(torch.tensor(float(init_bias)))
+        # (zero bias) after construction, which would erase init_bias (the starting p). Shape [1],
+        # not a scalar: DeepSpeed broadcasts parameters as byte views, which 0-dim tensors refuse.
+        self.bias = nn.Parameter(torch.full((1,), float(init_bias)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net(x).squeeze(-1) + self.bias)
+        return torch.sigmoid((self.net(x) + self.bias).squeeze(-1))
 
 
 class HaltingLayer(nn.Module):

@@ -1,0 +1,95 @@
+"""The routing family through launcher/pretrain.py: controller-only gates from a dense checkpoint,
+halting and baselines, each logging its method-specific metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaroute.routing import is_controller_param
+
+from .conftest import read_metrics
+
+G3_UTIL_RANK = [
+    "routing.method=depth_gate", "routing.every=1", "routing.offset=0", "routing.depth_gate.gate=jepa",
+    "routing.depth_gate.utility_weight=1.0", "routing.depth_gate.rank_weight=1.0",
+]
+
+
+def _model_states(run_dir: Path) -> dict[str, torch.Tensor]:
+    root = run_dir / "checkpoints"
+    tag = (root / "latest").read_text().strip()
+    return torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+
+
+def _mlflow_params(runs: Path, name: str) -> dict[str, str]:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{runs}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("megaroute").experiment_id],
+                             f"attributes.run_name = '{name}'")[0]
+    return run.data.params
+
+
+def test_controller_only_gate_training_from_a_dense_run(launch, tmp_path):
+    dense = launch("configs/tiny.yaml", "train.max_steps=3", nprocs=1, launcher="python", name="dense")
+    assert dense.wait() == 0, dense.output()[-3000:]
+    dense_dir = tmp_path / "runs" / "dense"
+
+    job = launch("configs/tiny.yaml", *G3_UTIL_RANK, "train.controller_only=true", "optim.zero_stage=2",
+                 f"checkpoint.init_from={dense_dir}", "train.max_steps=3", "train.loss_thresholds=[100.0,0.01]",
+                 nprocs=2, name="g3")
+    assert job.wait() == 0, job.output()[-3000:]
+    assert "controller-only: training" in job.output()
+    run_dir = tmp_path / "runs" / "g3"
+
+    train = read_metrics(run_dir)
+    for step, m in train.items():
+        assert m["grad_norm/controller"] > 0 and "grad_norm/base" not in m  # the base has no gradients
+        assert m["routing/layer_0/full_frac"] == 0.5  # budget: exactly half of each sequence full
+        for loss in ("utility", "rank", "jepa_align"):
+            assert f"aux/layer_1/{loss}" in m
+    evals = read_metrics(run_dir, "eval")[3]
+    for key in ("val/loss", "val/loss_causal", "val/full_frac", "val/full_frac_causal", "val/best_loss",
+                "val/avg_loss", "val/threshold_hit_step/100"):
+        assert key in evals, key
+    assert evals["val/threshold_hit_step/100"] == 3 and "val/threshold_hit_step/0.01" not in evals
+
+    # Frozen base: bit-identical to the dense checkpoint; the controller is new and trained.
+    before, after = _model_states(dense_dir), _model_states(run_dir)
+    for name, value in after.items():
+        if name in before:
+            assert torch.equal(value, before[name]), name
+        else:
+            assert is_controller_param(name) or name.endswith(("causal_threshold", "threshold_updates",
+                                                                "target_head")), name
+    params = _mlflow_params(tmp_path / "runs", "g3")
+    assert float(params["flops.train_proxy_vs_full"]) > 1.0
+    assert params["routing.depth_gate.gate"] == "jepa"
+
+
+def test_controller_only_refuses_a_checkpoint_without_the_base(launch, tmp_path):
+    missing = tmp_path / "nowhere"
+    job = launch("configs/tiny.yaml", *G3_UTIL_RANK, "train.controller_only=true",
+                 f"checkpoint.init_from={missing}", nprocs=1, launcher="python", name="bad")
+    assert job.wait() == 2
+    assert "checkpoint.init_from" in job.output() and str(missing) in job.output()
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("halting", ("val/loss_hard", "val/soft_hard_gap", "val/tlops_frac", "val/tlops_frac_hard")),
+    ("early_exit", ("val/loss_causal", "val/tlops_frac_causal")),
+    ("random", ("val/loss_causal", "val/tlops_frac")),
+])
+def test_method_specific_metrics_reach_the_metrics_file(launch, tmp_path, method, expected):
+    job = launch("configs/tiny.yaml", f"routing.method={method}", "routing.halting.penalty=0.01",
+                 "train.max_steps=2", nprocs=1, launcher="python", name=method)
+    assert job.wait() == 0, job.output()[-3000:]
+    evals = read_metrics(tmp_path / "runs" / method, "eval")[2]
+    for key in ("val/loss", *expected):
+        assert key in evals, key
+    if method == "halting":
+        assert 0 <= evals["val/tlops_frac_hard"] <= 1
+        assert "aux/layer_1/depth_penalty" in read_metrics(tmp_path / "runs" / method)[1]
