@@ -306,7 +306,7 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     make controller-only training meaningless."""
     from ..routing import is_controller_param
 
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
     weights = state.get("module", state)
     if not weights:
         raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
