@@ -101,7 +101,7 @@ class DepthGateConfig:
     # blocks per step on average.
     oracle_layers: int = 0
     # Causal (evaluation) decisions threshold the score at a running estimate of the top-k cut.
-    threshold_momentum: float = 0.99
+    threshold_momentum: float = 0.9
 
     def validate(self, path: str) -> None:
         _require(0.0 < self.budget <= 1.0, f"{path}.budget", f"must be in (0, 1], got {self.budget}")
