@@ -83,19 +83,21 @@ def run_point(args) -> int:
     return 0
 
 
-def _tracking(spec, points) -> tuple[str, str]:
+def _tracking(points) -> tuple[str, str, str]:
+    """(tracking URI, experiment, default analysis directory), the same for every point."""
     from ..config import load_config
     from ..train.tracking import default_uri
 
     cfg = load_config(points[0].config_path, points[0].overrides)
-    return cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment
+    return (cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment,
+            os.path.abspath(os.path.join(cfg.runs_dir, "analysis")))
 
 
 def run_submit(args) -> int:
     from .tracking import open_parent_run, require_server_uri
 
     spec, points = _load(args)
-    uri, experiment = _tracking(spec, points)
+    uri, experiment, out_dir = _tracking(points)
     require_server_uri(uri if uri.startswith(("http", "databricks")) else None, spec.path)
     params = {"spec": spec.path, "budgets": ",".join(f"{b:.3g}" for b in spec.budgets),
               "sizes": ",".join(spec.sizes), "variants": ",".join(v.name for v in spec.variants),
@@ -103,7 +105,6 @@ def run_submit(args) -> int:
               "overrides": " ".join(args.overrides)[:500]}
     parent = open_parent_run(uri, experiment, spec.name, params)
     array_id = _sbatch(_array_command(spec, len(points), args.overrides, args.max_parallel, parent))
-    out_dir = os.path.abspath(os.path.join(spec.run_root, "analysis"))
     os.makedirs(out_dir, exist_ok=True)
     analyze = shlex.join([sys.executable, "-m", "megaroute.cli", "sweep", "analyze", spec.path, *args.overrides,
                           "--out", out_dir])
@@ -126,9 +127,9 @@ def _sbatch(cmd: list[str]) -> str:
 def run_analyze(args) -> int:
     from . import report
 
-    spec, points = _load(args)
-    uri, experiment = _tracking(spec, points)
-    out = args.out or os.path.join(spec.run_root, "analysis")
+    _, points = _load(args)
+    uri, experiment, default_out = _tracking(points)
+    out = args.out or default_out
     files = report.analyze_sweep(uri, experiment, spec.name, out)
     for f in files:
         print(f)

@@ -108,7 +108,8 @@ def plan(spec: SweepSpec, extra_overrides: tuple[str, ...] = (), parent_run_id: 
                                              f"{spec.budget_tolerance:.0%}); raise the budget or lower "
                                              f"train.global_batch_size")
                     tags = point_tags(spec, variant.name, size, budget, seed, index, n_params)
-                    overrides = (*common, f"name={name}", f"runs_dir={spec.run_root}", f"variant={variant.name}",
+                    # runs_dir before the common overrides so a command-line runs_dir=... wins.
+                    overrides = (f"runs_dir={spec.run_root}", *common, f"name={name}", f"variant={variant.name}",
                                  f"size={size}", f"train.seed={seed}", f"train.max_steps={steps}",
                                  "train.max_tokens=null", "train.max_flops=null",
                                  f"tracking.experiment={spec.experiment}", *_tag_overrides(tags),
