@@ -62,7 +62,9 @@ trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
 # Backgrounded + wait: bash runs traps only between commands, and `wait` returns early on one.
-srun --kill-on-bad-exit=1 --output="$log_dir/%j-r$restart-rank%t.log" \
+# Exit 75 counts as "bad" to Slurm, so no --kill-on-bad-exit: rank 0 may still be closing its
+# MLflow run when the others leave. --wait bounds how long a crashed rank's peers may linger.
+srun --kill-on-bad-exit=0 --wait="${MEGAROUTE_RANK_EXIT_WAIT:-120}" --output="$log_dir/%j-r$restart-rank%t.log" \
   "$PYTHON" -u launcher/pretrain.py "${args[@]}" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done

@@ -35,7 +35,8 @@ class OptimumFit:
 
 def fit_optimum(params: Sequence[float], losses: Sequence[float]) -> tuple[float, float, str, Optional[tuple]]:
     """(N*, L*, how, coeffs) from one isoFLOP slice; losses are per size (seed means)."""
-    x = np.log10(np.asarray(params, dtype=float))
+    n = np.asarray(params, dtype=float)
+    x = np.log10(n)
     y = np.asarray(losses, dtype=float)
     best = int(np.argmin(y))
     if len(np.unique(x)) >= 3:
@@ -44,8 +45,8 @@ def fit_optimum(params: Sequence[float], losses: Sequence[float]) -> tuple[float
             xv = -b / (2 * a)
             if x.min() <= xv <= x.max():
                 return float(10 ** xv), float(c - b * b / (4 * a)), "parabola", (float(a), float(b), float(c))
-        return float(10 ** x[best]), float(y[best]), "best measured", (float(a), float(b), float(c))
-    return float(10 ** x[best]), float(y[best]), "best measured", None
+        return float(n[best]), float(y[best]), "best measured", (float(a), float(b), float(c))
+    return float(n[best]), float(y[best]), "best measured", None
 
 
 def bootstrap(by_size: dict[float, list[float]], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0):

@@ -127,7 +127,7 @@ def _sbatch(cmd: list[str]) -> str:
 def run_analyze(args) -> int:
     from . import report
 
-    _, points = _load(args)
+    spec, points = _load(args)
     uri, experiment, default_out = _tracking(points)
     out = args.out or default_out
     files = report.analyze_sweep(uri, experiment, spec.name, out)

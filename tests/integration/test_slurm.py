@@ -92,7 +92,7 @@ def test_two_node_pretrain(cluster, mlflow_server, job_env, char_data, tmp_path)
 
 
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, job_env, char_data, tmp_path):
-    steps = 1500  # far more than the time to the signal; the resumed run finishes them
+    steps = 400  # ~40 s of training: the signal lands after step 20, the resumed run finishes the rest
     args = _pretrain_args(tmp_path, char_data, mlflow_server, "preempt", f"train.max_steps={steps}",
                           "checkpoint.interval=100000", "train.log_interval=50")
     job = cluster.sbatch(["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out",
@@ -109,10 +109,12 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     assert info["Restarts"] == "1", info
     assert "forwarding to the ranks" in out and f"requeueing job {job}" in out, out
 
-    stopped_at = int((run_dir / "checkpoints/latest").read_text().removeprefix("step_"))
     first = (run_dir / "logs" / f"{job}-r0-rank0.log").read_text()
     second = (run_dir / "logs" / f"{job}-r1-rank0.log").read_text()
-    assert 0 < stopped_at < steps, first
+    m = re.search(r"training stopped at step (\d+): signal", first)
+    assert m and 20 <= int(m.group(1)) < steps, first
+    stopped_at = int(m.group(1))
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     assert f"resumed from" in second and f"at step {stopped_at}" in second, second
     assert (run_dir / "logs" / f"{job}-r1-rank1.log").exists()
     # Every step is logged once: the stop checkpointed the last completed step, so none is lost or redone.
