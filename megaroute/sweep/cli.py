@@ -98,7 +98,7 @@ def run_submit(args) -> int:
 
     spec, points = _load(args)
     uri, experiment, out_dir = _tracking(points)
-    require_server_uri(uri if uri.startswith(("http", "databricks")) else None, spec.path)
+    require_server_uri(uri, spec.path)
     params = {"spec": spec.path, "budgets": ",".join(f"{b:.3g}" for b in spec.budgets),
               "sizes": ",".join(spec.sizes), "variants": ",".join(v.name for v in spec.variants),
               "seeds": ",".join(map(str, spec.seeds)), "points": str(len(points)),
