@@ -145,7 +145,11 @@ def test_isoflop_sweep_array(cluster, mlflow_server, job_env, char_data, tmp_pat
     m = re.search(r"8 points as array job (\d+), analysis job (\d+), MLflow parent run (\w+)", out)
     assert m, out + cluster.logs()
     array_id, analysis_id, parent = m.groups()
-    cluster.wait_done([int(array_id), int(analysis_id)], timeout=600)
+    try:
+        cluster.wait_done([int(array_id), int(analysis_id)], timeout=600)
+    finally:  # the array's batch logs land in the submit directory (the checkout), like a user's would
+        for f in REPO.glob(f"slurm-tiny-isoflop-{array_id}_*.out"):
+            f.unlink()
     wall = time.time() - t0
 
     tasks = cluster.jobs(array_id)
