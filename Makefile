@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Debian packages the test-suite needs (only when run as root; otherwise they must be present).
-SYSTEM_PACKAGES := g++ make
+SYSTEM_PACKAGES := g++ make slurm-wlm munge
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

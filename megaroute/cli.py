@@ -12,6 +12,8 @@ SUBCOMMANDS = {
     "config": "megaroute.config.cli",
     "inspect": "megaroute.inspect",
     "data": "megaroute.data.cli",
+    "sweep": "megaroute.sweep.cli",
+    "compare": "megaroute.sweep.compare",
 }
 
 
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megaroute: error: {e}", file=sys.stderr)
         return 2
+    except LookupError as e:  # a named run, experiment or sweep that does not exist
+        print(f"megaroute: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,11 +19,21 @@ def add_parser(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="print the resolved config as YAML")
     add_config_args(show)
+    show.add_argument("--get", metavar="KEY", help="print one resolved value (dotted key, or run_dir)")
     show.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from . import load_config, to_yaml
+    from . import ConfigError, load_config, to_yaml
 
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    if args.get is None:
+        print(to_yaml(cfg), end="")
+        return 0
+    value = cfg
+    for part in args.get.split("."):
+        if not hasattr(value, part):
+            raise ConfigError(args.get, "no such key")
+        value = getattr(value, part)
+    print(value)
     return 0

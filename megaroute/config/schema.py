@@ -348,6 +348,8 @@ class TrackingConfig:
     uri: Optional[str] = None
     experiment: str = "megaroute"
     tags: dict[str, str] = field(default_factory=dict)
+    # Nests this run under another (a sweep's parent run) in the MLflow UI.
+    parent_run_id: Optional[str] = None
 
     def validate(self, path: str) -> None:
         _require(bool(self.experiment), f"{path}.experiment", "must not be empty")

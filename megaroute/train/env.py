@@ -31,15 +31,13 @@ def _cuda_available() -> bool:
 
 
 def detect_env() -> DistEnv:
-    """Reads RANK/WORLD_SIZE/LOCAL_RANK (torchrun, deepspeed) or SLURM_PROCID/NTASKS/LOCALID (srun).
+    """Reads RANK/WORLD_SIZE/LOCAL_RANK (torchrun, deepspeed) or Slurm's task variables (srun).
 
     Under srun the torch.distributed variables are filled in from Slurm's so that one code
     path initializes the process group; MASTER_ADDR/PORT come from the sbatch script.
     """
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
+        _env_from_srun()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -54,6 +52,37 @@ def detect_env() -> DistEnv:
         return DistEnv(rank, world, local_rank, "nccl", f"cuda:{local_rank}")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return DistEnv(rank, world, local_rank, "gloo", "cpu")
+
+
+def _env_from_srun() -> None:
+    """Maps an srun task's variables to torch.distributed's.
+
+    SLURM_STEP_NUM_TASKS is only set inside a job step: the batch shell of an `sbatch -n 8`
+    job has SLURM_NTASKS=8 and SLURM_PROCID=0 too, and must stay a single process.
+    """
+    world = int(os.environ["SLURM_STEP_NUM_TASKS"])
+    if world == 1:
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"srun task without {' and '.join(missing)}: launch through slurm/pretrain.sh, which "
+                           "derives them from the node list and the job id, or export them before srun")
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    per_node = _tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    if node < len(per_node):
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(per_node[node]))
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed task counts, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, repeat = part.partition("(x")
+        out += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return out
 
 
 def _free_port() -> int:

@@ -217,6 +217,8 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
     tags = {"variant": cfg.variant, "size": cfg.size, "seed": str(cfg.train.seed), "git_commit": _git_commit(),
             "host": socket.gethostname(), "world_size": str(env.world_size), "routing": cfg.routing.method,
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}),
+            **({"slurm_array_job_id": os.environ["SLURM_ARRAY_JOB_ID"]} if "SLURM_ARRAY_JOB_ID" in os.environ else {}),
+            **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
             **cfg.tracking.tags}
     from ..flops import config_flops, training_proxy
 

@@ -1,0 +1,1 @@
+"""isoFLOP sweeps: spec -> planned points -> Slurm array tasks -> analysis from MLflow."""

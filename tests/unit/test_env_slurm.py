@@ -1,0 +1,49 @@
+"""detect_env under srun: Slurm's task variables become torch.distributed's, the batch shell stays single."""
+
+from __future__ import annotations
+
+import pytest
+
+from megaroute.train import env as E
+
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def slurm_env(monkeypatch):
+    for k in TORCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(E, "_cuda_available", lambda: False)
+
+    def set_vars(**kv):
+        for k, v in kv.items():
+            monkeypatch.setenv(k, str(v))
+
+    return set_vars
+
+
+def test_srun_task_maps_to_rank_world_and_local_sizes(slurm_env, monkeypatch):
+    slurm_env(SLURM_STEP_NUM_TASKS=6, SLURM_PROCID=4, SLURM_LOCALID=0, SLURM_NODEID=2,
+              SLURM_STEP_TASKS_PER_NODE="2(x2),2", MASTER_ADDR="10.0.0.1", MASTER_PORT=20042)
+    env = E.detect_env()
+    assert (env.rank, env.world_size, env.local_rank, env.backend) == (4, 6, 0, "gloo")
+    import os
+
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
+
+
+def test_batch_shell_of_a_multi_task_job_stays_one_process(slurm_env):
+    # sbatch -n 8 exports SLURM_NTASKS=8 and SLURM_PROCID=0 to the batch shell, but it is no step.
+    slurm_env(SLURM_NTASKS=8, SLURM_PROCID=0)
+    assert E.detect_env().world_size == 1
+
+
+def test_srun_without_rendezvous_names_the_missing_variables(slurm_env):
+    slurm_env(SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=1)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR and MASTER_PORT.*slurm/pretrain.sh"):
+        E.detect_env()
+
+
+def test_tasks_per_node_expands_slurm_compression():
+    assert E._tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert E._tasks_per_node("8") == [8]
