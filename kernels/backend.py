@@ -47,6 +47,6 @@ def resolve(name: str, device: torch.device) -> ModuleType:
     elif device.type != "cuda" and not interpreted:
         raise RuntimeError(
             f"routing.dispatch=triton got {device.type} tensors: Triton kernels run on CPU only under the "
-            "interpreter. Set TRITON_INTERPRET=1 before megaroute.kernels is first used (it is read when "
-            "the kernels are compiled), or use routing.dispatch=torch / auto.")
+            "interpreter. Set TRITON_INTERPRET=1 before triton is first imported (the mode is fixed then), "
+            "or use routing.dispatch=torch / auto.")
     return ops

@@ -10,8 +10,8 @@ mask_indices produce such rows); g [B, k] per-token weights; delta [B, k, D] upd
     permute(x, slot)                 -> xs [B*T, D] with xs[slot[b, t]] = x[b, t]
     unpermute(h, slot, w, yf, yc)    -> h + w[..., None] * cat(yf, yc)[slot]
 
-Updates are computed in float32 and rounded once to x's dtype; rows that receive no update are
-x bit for bit. Everything here is differentiable by autograd (gradcheck runs on it in float64).
+Updates are computed in float32 (float64 if an input is float64) and rounded once to x's dtype;
+rows that receive no update are x bit for bit. Everything here is differentiable by autograd (gradcheck runs on it in float64).
 """
 
 from __future__ import annotations
@@ -19,12 +19,21 @@ from __future__ import annotations
 import torch
 
 
+def _acc(*tensors: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32, or wider if an input is wider."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
 def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    rows = gather(x, idx).float() + g.float().unsqueeze(-1) * delta.float()
+    acc = _acc(x, g, delta)
+    rows = gather(x, idx).to(acc) + g.to(acc).unsqueeze(-1) * delta.to(acc)
     # scatter (not scatter_add) of x + update: exact only because idx is unique within a row.
     return x.scatter(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), rows.to(x.dtype))
 
@@ -50,4 +59,5 @@ def permute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
               y_cheap: torch.Tensor) -> torch.Tensor:
     y = torch.cat([y_full, y_cheap]).index_select(0, slot.reshape(-1)).view_as(h)
-    return (h.float() + w.float().unsqueeze(-1) * y.float()).to(h.dtype)
+    acc = _acc(h, w, y)
+    return (h.to(acc) + w.to(acc).unsqueeze(-1) * y.to(acc)).to(h.dtype)

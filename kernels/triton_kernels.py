@@ -7,8 +7,9 @@ are passed explicitly: inputs strided over B and T (slices, transposes) need no 
 is float32; results are rounded once to the output dtype (round-to-nearest-even on GPUs; the
 interpreter truncates float32 -> bfloat16, so interpreted bf16 results may differ by one ulp).
 
-TRITON_INTERPRET is read when a kernel is decorated, i.e. when this module is first imported;
-`INTERPRETED` records which mode the kernels were built in.
+Interpreter mode (TRITON_INTERPRET=1) is fixed when triton is first imported (its standard
+library, e.g. tl.zeros, is decorated then) and when this module decorates its kernels;
+`INTERPRETED` is true only if both happened in interpreter mode.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.runtime.jit import JITFunction
 
-INTERPRETED = bool(knobs.runtime.interpret)
+INTERPRETED = bool(knobs.runtime.interpret) and not isinstance(tl.zeros, JITFunction)
 
 
 def _block_d(D: int) -> int:
