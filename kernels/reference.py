@@ -33,9 +33,11 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     acc = _acc(x, g, delta)
-    rows = gather(x, idx).to(acc) + g.to(acc).unsqueeze(-1) * delta.to(acc)
-    # scatter (not scatter_add) of x + update: exact only because idx is unique within a row.
-    return x.scatter(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), rows.to(x.dtype))
+    update = g.to(acc).unsqueeze(-1) * delta.to(acc)
+    # scatter_add's backward passes grad_out straight through to x (no copy); the upcast is a
+    # no-op for float32 x and keeps 16-bit x to a single rounding.
+    out = x.to(acc).scatter_add(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update)
+    return out.to(x.dtype)
 
 
 def path_slots(full: torch.Tensor) -> tuple[torch.Tensor, int]:
