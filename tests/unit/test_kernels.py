@@ -96,6 +96,20 @@ def test_combine_mixed_dtypes_fp32_residual_bf16_update(ops):
     _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
 
 
+def test_combine_backward_with_a_constant_weight(ops):
+    """Capacity baselines pass g = 1 without grad: the kernel skips the grad_g reduction."""
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(2, 6, 7, gen=gen), _indices(2, 6, 3, gen)
+    delta = _rand(2, 3, 7, gen=gen)
+    g = torch.ones(2, 3, device=DEVICE)
+    grads = []
+    for combine in (ops.combine, ref.combine):
+        xl, dl = x.clone().requires_grad_(), delta.clone().requires_grad_()
+        combine(xl, idx, g, dl).backward(x)
+        grads.append((xl.grad, dl.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_fp16(ops):
     gen = torch.Generator().manual_seed(0)
     x, idx = _rand(2, 6, 7, dtype=torch.float16, gen=gen), _indices(2, 6, 3, gen)
@@ -231,6 +245,18 @@ def test_routed_model_trains_the_same_with_triton_dispatch(ops, make_model, meth
     torch.testing.assert_close(triton_losses, torch_losses, rtol=1e-4, atol=1e-5)
 
 
+def test_benchmark_cpu_path_runs_and_reports_the_share(capsys):
+    from megaroute.kernels import bench
+
+    threads = torch.get_num_threads()  # bench sets the process-wide thread count
+    try:
+        assert bench.main(["--cpu", "--cpu-batch", "1", "--cpu-seq-len", "32", "--cpu-d", "64", "--repeat", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.count("share") == 2 and "MoD train step" in out and "depth-gate inference" in out
+
+
 # ------------------------------------------------------------------------------------- CUDA only
 
 
@@ -255,3 +281,4 @@ def test_cuda_compiled_kernels_match_and_beat_the_unfused_chain(ops, dtype):
     unfused = do_bench(lambda: _unfused_combine(x, idx, g, delta))
     print(f"combine {dtype}: fused {fused * 1e3:.1f} us, unfused {unfused * 1e3:.1f} us")
     assert fused < unfused
+
