@@ -174,6 +174,9 @@ class RoutingConfig:
     depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
     halting: HaltingConfig = field(default_factory=HaltingConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    # Token movement (gather / combine / path permute) in routed layers: "triton" = fused kernels,
+    # "torch" = the PyTorch reference, "auto" = Triton for CUDA tensors, PyTorch otherwise.
+    dispatch: Literal["auto", "torch", "triton"] = "auto"
 
     def validate(self, path: str) -> None:
         _require(0.0 < self.capacity <= 1.0, f"{path}.capacity", f"must be in (0, 1], got {self.capacity}")

@@ -28,6 +28,7 @@ class CapacityBaselineLayer(nn.Module):
         if cfg.method not in ("random", "stride", "first_k"):
             raise ValueError(f"not a capacity baseline: routing.method={cfg.method!r}")
         self.block = block
+        self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.method = cfg.method
         self.capacity = cfg.capacity
         self.stride = max(1, round(1 / cfg.capacity))
@@ -51,4 +52,4 @@ class CapacityBaselineLayer(nn.Module):
         selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
-        return update_selected(self.block, x, pos, idx, valid=valid)
+        return update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)

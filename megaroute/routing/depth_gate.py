@@ -113,6 +113,7 @@ class DepthGateLayer(nn.Module):
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__()
         self.block = block
+        self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.cfg = cfg.depth_gate
         self.scorer = SCORERS[self.cfg.gate](model_cfg.d_model, self.cfg)
         self.cheap = build_cheap_ffn(model_cfg.d_model, self.cfg)
@@ -177,15 +178,17 @@ class DepthGateLayer(nn.Module):
         self.threshold_updates += 1
 
     def _dispatch(self, h: torch.Tensor, u: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """Inference: each token runs exactly one FFN; padded rows carry weight 0."""
-        out = h
-        for take, ffn in ((full, self.block.mlp), (~full, self.cheap)):
-            idx, valid = dispatch.mask_indices(take)
-            if idx.shape[1] == 0:
-                continue
-            update = ffn(dispatch.gather_tokens(u, idx))
-            out = dispatch.combine_tokens(out, idx, valid.to(update.dtype), update)
-        return out
+        """Inference: each token runs exactly one FFN, in two contiguous buffers (full, then cheap).
+
+        The FFNs act per token, so the buffers are flat over the batch: no padding, no per-path
+        gather/combine pair; unpermute adds each token's update to its residual h.
+        """
+        slot, n_full = dispatch.path_slots(full)
+        tokens = self.dispatcher.permute(u, slot)
+        y_full, y_cheap = (ffn(part) if len(part) else part  # an empty path runs nothing
+                           for ffn, part in ((self.block.mlp, tokens[:n_full]), (self.cheap, tokens[n_full:])))
+        ones = torch.ones(full.shape, dtype=h.dtype, device=h.device)
+        return self.dispatcher.unpermute(h, slot, ones, y_full, y_cheap)
 
     def oracle_labels(self, ctx: RoutingContext, name: str, outcome_full: torch.Tensor,
                       outcome_cheap: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,17 @@
 """Token dispatch for routed layers: choose -> gather -> (compute) -> combine.
 
-Pure-PyTorch reference semantics; fused kernels must match these exactly. All ops are
-batched (no per-sample Python loops) and keep the causal order of the selected tokens.
+Choosing tokens (capacity_k, topk_indices, mask_indices) is plain PyTorch here. Moving them is
+done by a `Dispatcher`, which each routed layer builds from `routing.dispatch` and which runs
+either the pure-PyTorch reference (megaroute.kernels.reference, the semantics) or the fused
+Triton kernels. All ops are batched (no per-sample Python loops) and keep the causal order of
+the selected tokens.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megaroute.kernels import check_backend, reference, resolve
 
 
 def capacity_k(seq_len: int, capacity: float) -> int:
@@ -39,12 +44,39 @@ def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     return mask.scatter_(1, indices, True)
 
 
-def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x [B, T, D], indices [B, k] -> x[b, indices[b]] as [B, k, D]."""
-    return x.gather(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+# The reference ops under their historical names (tests and analysis code use them directly).
+gather_tokens = reference.gather
+combine_tokens = reference.combine
+path_slots = reference.path_slots
 
 
-def combine_tokens(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """out = x; out[b, indices[b, j]] += weight[b, j] * delta[b, j]. Unselected rows are x exactly."""
-    update = (weight.unsqueeze(-1) * delta).to(x.dtype)
-    return x.scatter_add(1, indices.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update)
+class Dispatcher:
+    """Moves tokens for one routed layer on the backend named by `routing.dispatch`.
+
+        gather(x, idx)                   x[b, idx[b]]                              [B, k, D]
+        combine(x, idx, g, delta)        out = x;  out[b, idx[b, j]] += g[b, j] * delta[b, j]
+        permute(x, slot)                 [B*T, D]: full-path tokens first, then cheap (see path_slots)
+        unpermute(h, slot, w, yf, yc)    h + w * (each token's row of yf / yc)
+
+    The backend is resolved per call from the input's device, so a layer built on CPU and moved
+    to a GPU picks up the kernels. Holds only the backend name (picklable, no global state).
+    """
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = check_backend(backend)
+
+    def __repr__(self) -> str:
+        return f"Dispatcher({self.backend!r})"
+
+    def gather(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).gather(x, idx)
+
+    def combine(self, x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).combine(x, idx, g, delta)
+
+    def permute(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).permute(x, slot)
+
+    def unpermute(self, h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
+                  y_cheap: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, h.device).unpermute(h, slot, w, y_full, y_cheap)

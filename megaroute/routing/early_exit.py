@@ -27,6 +27,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from .context import RoutingContext
+from .dispatch import Dispatcher
 from .execute import update_masked
 
 
@@ -34,6 +35,7 @@ class EarlyExitLayer(nn.Module):
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig, head: bool = True):
         super().__init__()
         self.block = block
+        self.dispatcher = Dispatcher(cfg.dispatch)
         self.exit_head = nn.Linear(model_cfg.d_model, 1) if head else None
         self.threshold = cfg.early_exit.threshold
         self.loss_weight = cfg.early_exit.loss_weight
@@ -45,7 +47,7 @@ class EarlyExitLayer(nn.Module):
             ctx.add_exec(name, x.new_ones(()))
         else:
             ctx.add_exec(name, active.float().mean())
-            x = update_masked(self.block, x, pos, active)
+            x = update_masked(self.block, x, pos, active, dispatcher=self.dispatcher)
         if self.exit_head is None:
             return x
 

@@ -15,27 +15,29 @@ import torch
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from . import dispatch
+from .dispatch import Dispatcher
 
 
 def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
-                    weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
+                    dispatcher: Dispatcher) -> torch.Tensor:
     """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
     if idx.shape[1] == 0:  # nobody in the batch runs this block
         return x
-    delta = block.update(dispatch.gather_tokens(x, idx), pos.select(idx))
+    delta = block.update(dispatcher.gather(x, idx), pos.select(idx))
     if weight is None:
         weight = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device)
     if valid is not None:
         # Zero both factors: 0 * (a non-finite padded delta) would still be NaN.
         weight = torch.where(valid, weight, torch.zeros_like(weight))
         delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
-    return dispatch.combine_tokens(x, idx, weight, delta)
+    return dispatcher.combine(x, idx, weight, delta)
 
 
 def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask: torch.Tensor,
-                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  weight: Optional[torch.Tensor] = None, *, dispatcher: Dispatcher) -> torch.Tensor:
     """Ragged selection: runs the block for tokens where mask [B, T] is True; weight is [B, T] or None."""
     idx, valid = dispatch.mask_indices(mask)
     if weight is not None:
         weight = weight.gather(1, idx)
-    return update_selected(block, x, pos, idx, weight, valid)
+    return update_selected(block, x, pos, idx, weight, valid, dispatcher=dispatcher)

@@ -19,6 +19,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from .context import RoutingContext
+from .dispatch import Dispatcher
 from .execute import update_masked
 
 
@@ -39,6 +40,7 @@ class HaltingLayer(nn.Module):
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__()
         self.block = block
+        self.dispatcher = Dispatcher(cfg.dispatch)
         self.halt = HaltGate(model_cfg.d_model, cfg.halting.hidden, cfg.halting.init_bias)
         self.tau = cfg.halting.tau
         self.penalty = cfg.halting.penalty
@@ -51,6 +53,6 @@ class HaltingLayer(nn.Module):
         ctx.add_stat(f"{name}/exec_frac", exec_frac)
         ctx.add_exec(name, exec_frac)
         if ctx.mode == "hard":
-            return update_masked(self.block, x, pos, runs)
+            return update_masked(self.block, x, pos, runs, dispatcher=self.dispatcher)
         ctx.add_loss(f"{name}/depth_penalty", p.float().mean(), self.penalty)
         return x + p.unsqueeze(-1).to(x.dtype) * self.block.update(x, pos)

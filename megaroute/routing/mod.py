@@ -48,6 +48,7 @@ class MoDLayer(nn.Module):
         super().__init__()
         d_model = model_cfg.d_model
         self.block = block
+        self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.capacity = cfg.capacity
         self.gate = GATES[cfg.gate]
         self.router = nn.Linear(d_model, 1, bias=False)
@@ -75,7 +76,7 @@ class MoDLayer(nn.Module):
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
         weight = self.gate(logits.gather(1, idx))
-        return update_selected(self.block, x, pos, idx, weight, valid)
+        return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
 
     def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
         target = selected.to(logits.dtype)

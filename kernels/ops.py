@@ -1,0 +1,151 @@
+"""Triton-backed dispatch ops: input checks + autograd.Function wrappers around triton_kernels.
+
+Same signatures and semantics as reference.py. Inputs may be strided over B and T (no copies);
+index tensors must be int64. Backward passes are fused kernels too: combine's grad_x is grad_out
+itself (the residual), and grad_delta / grad_g come out of one pass over the selected rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_kernels as tk
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16 for the Triton dispatch kernels, "
+                        f"got {t.dtype} (use routing.dispatch=torch for other dtypes)")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _check_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"dispatch inputs must share one device, got {devices}")
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.save_for_backward(idx)
+        ctx.x_shape = x.shape
+        return tk.gather(x, idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (idx,) = ctx.saved_tensors
+        grad_x = grad_out.new_zeros(ctx.x_shape)  # unselected rows get no gradient
+        return tk.scatter_rows(grad_out, idx, grad_x), None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, idx, g, delta):
+        ctx.save_for_backward(idx, g, delta)
+        return tk.combine_fwd(x, idx, g, delta)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        idx, g, delta = ctx.saved_tensors
+        _, need_g, need_delta = ctx.needs_input_grad[1:]
+        grad_delta = grad_g = None
+        if need_g or need_delta:
+            grad_delta, grad_g = tk.combine_bwd(grad_out, idx, g, delta, need_grad_g=need_g)
+        return grad_out, None, grad_g, grad_delta if need_delta else None
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot):
+        B, T, D = x.shape
+        out = x.new_empty(B * T, D)
+        ctx.save_for_backward(slot)
+        ctx.x_shape = x.shape
+        # The flat buffer as [1, B*T, D] with batch stride 0: row slot[b, t] of every batch.
+        return tk.scatter_rows(x, slot, out, dst_strides=(0, *out.stride()))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (slot,) = ctx.saved_tensors
+        like = grad_out.new_empty(ctx.x_shape)
+        return tk.gather_rows(grad_out, (0, *grad_out.stride()), slot, like), None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, slot, w, y_full, y_cheap):
+        ctx.save_for_backward(slot, w, y_full, y_cheap)
+        return tk.unpermute_fwd(h, slot, w, y_full, y_cheap)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        slot, w, y_full, y_cheap = ctx.saved_tensors
+        need_w = ctx.needs_input_grad[2]
+        grad_yf, grad_yc, grad_w = tk.unpermute_bwd(grad_out, slot, w, y_full, y_cheap, need_grad_w=need_w)
+        return grad_out, None, grad_w, grad_yf, grad_yc
+
+
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    _check_float("x", x, 3)
+    _check_index("idx", idx, (x.shape[0], idx.shape[1] if idx.dim() == 2 else -1))
+    _check_device(x=x, idx=idx)
+    if idx.shape[1] > x.shape[1]:
+        raise ValueError(f"idx selects {idx.shape[1]} tokens from a sequence of {x.shape[1]}")
+    return _Gather.apply(x, idx)
+
+
+def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    _check_float("x", x, 3)
+    _check_float("delta", delta, 3)
+    _check_float("g", g, 2)
+    B, T, D = x.shape
+    K = delta.shape[1]
+    if delta.shape != (B, K, D):
+        raise ValueError(f"delta must have shape (B, k, D) = ({B}, k, {D}), got {tuple(delta.shape)}")
+    if K > T:
+        raise ValueError(f"delta has {K} rows but the sequence has only {T} tokens")
+    _check_index("idx", idx, (B, K))
+    if g.shape != (B, K):
+        raise ValueError(f"g must have shape {(B, K)}, got {tuple(g.shape)}")
+    _check_device(x=x, idx=idx, g=g, delta=delta)
+    return _Combine.apply(x, idx, g, delta)
+
+
+def permute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    _check_float("x", x, 3)
+    _check_index("slot", slot, tuple(x.shape[:2]))
+    _check_device(x=x, slot=slot)
+    return _Permute.apply(x, slot)
+
+
+def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
+              y_cheap: torch.Tensor) -> torch.Tensor:
+    _check_float("h", h, 3)
+    _check_float("w", w, 2)
+    _check_float("y_full", y_full, 2)
+    _check_float("y_cheap", y_cheap, 2)
+    B, T, D = h.shape
+    _check_index("slot", slot, (B, T))
+    if w.shape != (B, T):
+        raise ValueError(f"w must have shape {(B, T)}, got {tuple(w.shape)}")
+    for name, y in (("y_full", y_full), ("y_cheap", y_cheap)):
+        if y.shape[1] != D:
+            raise ValueError(f"{name} must have D = {D} features, got shape {tuple(y.shape)}")
+    if y_full.shape[0] + y_cheap.shape[0] != B * T:
+        raise ValueError(f"y_full and y_cheap must hold B*T = {B * T} rows together, "
+                         f"got {y_full.shape[0]} + {y_cheap.shape[0]}")
+    _check_device(h=h, slot=slot, w=w, y_full=y_full, y_cheap=y_cheap)
+    return _Unpermute.apply(h, slot, w, y_full, y_cheap)

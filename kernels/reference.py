@@ -1,0 +1,65 @@
+"""Pure-PyTorch token dispatch: the semantics every fused kernel must reproduce.
+
+Shapes: x [B, T, D] hidden states; idx [B, k] token positions, unique within a row (top-k and
+mask_indices produce such rows); g [B, k] per-token weights; delta [B, k, D] updates.
+
+    gather(x, idx)                   -> x[b, idx[b, j]]                          [B, k, D]
+    combine(x, idx, g, delta)        -> out = x;  out[b, idx[b, j]] += g[b, j] * delta[b, j]
+    path_slots(full)                 -> slot [B, T], n_full: each token's row in a buffer that
+                                        holds the full-path tokens first, then the cheap ones
+    permute(x, slot)                 -> xs [B*T, D] with xs[slot[b, t]] = x[b, t]
+    unpermute(h, slot, w, yf, yc)    -> h + w[..., None] * cat(yf, yc)[slot]
+
+Updates are computed in float32 (float64 if an input is float64) and rounded once to x's dtype;
+rows that receive no update are x bit for bit. Everything here is differentiable by autograd (gradcheck runs on it in float64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc(*tensors: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32, or wider if an input is wider."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    acc = _acc(x, g, delta)
+    update = g.to(acc).unsqueeze(-1) * delta.to(acc)
+    # scatter_add's backward passes grad_out straight through to x (no copy); the upcast is a
+    # no-op for float32 x and keeps 16-bit x to a single rounding.
+    out = x.to(acc).scatter_add(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update)
+    return out.to(x.dtype)
+
+
+def path_slots(full: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """full [B, T] bool -> (slot [B, T] int64, number of full-path tokens).
+
+    Tokens keep their (b, t) row-major order within each path, so the split is deterministic.
+    Reading n_full synchronizes with the device: the buffer sizes depend on it.
+    """
+    flat = full.reshape(-1)
+    n_full = int(flat.sum())
+    full_rank = flat.cumsum(0) - 1
+    cheap_rank = (~flat).cumsum(0) - 1 + n_full
+    return torch.where(flat, full_rank, cheap_rank).view_as(full), n_full
+
+
+def permute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.index_copy(torch.zeros_like(rows), 0, slot.reshape(-1), rows)
+
+
+def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
+              y_cheap: torch.Tensor) -> torch.Tensor:
+    y = torch.cat([y_full, y_cheap]).index_select(0, slot.reshape(-1)).view_as(h)
+    acc = _acc(h, w, y)
+    return (h.to(acc) + w.to(acc).unsqueeze(-1) * y.to(acc)).to(h.dtype)

@@ -1,0 +1,252 @@
+"""Triton kernels for token dispatch. Launchers take validated tensors (see ops.py) and allocate
+outputs; autograd lives in ops.py. Semantics: reference.py.
+
+One program moves one token row of D features, looping over D in BLOCK_D chunks, so any D
+works (no power-of-two requirement) and each row is read and written exactly once. Row strides
+are passed explicitly: inputs strided over B and T (slices, transposes) need no copy. Arithmetic
+is float32; results are rounded once to the output dtype (round-to-nearest-even on GPUs; the
+interpreter truncates float32 -> bfloat16, so interpreted bf16 results may differ by one ulp).
+
+Interpreter mode (TRITON_INTERPRET=1) is fixed when triton is first imported (its standard
+library, e.g. tl.zeros, is decorated then) and when this module decorates its kernels;
+`INTERPRETED` is true only if both happened in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+INTERPRETED = bool(knobs.runtime.interpret) and not isinstance(tl.zeros, JITFunction)
+
+
+def _block_d(D: int) -> int:
+    # Large enough for wide vector loads at D >= 2048, small enough to keep registers low.
+    return min(triton.next_power_of_2(max(D, 1)), 2048)
+
+
+def _warps(block_d: int) -> int:
+    return 8 if block_d >= 2048 else 4
+
+
+@triton.jit
+def _move_rows_kernel(src_ptr, dst_ptr, idx_ptr, K, D,
+                      s_sb, s_st, s_sd, d_sb, d_st, d_sd, i_sb, i_sk,
+                      SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r = (b, j): gather dst[b, j] = src[b, idx[b, j]]; scatter dst[b, idx[b, j]] = src[b, j]."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // K
+    j = r % K
+    t = tl.load(idx_ptr + b * i_sb + j * i_sk).to(tl.int64)
+    if SCATTER:
+        src_row = src_ptr + b * s_sb + j * s_st
+        dst_row = dst_ptr + b * d_sb + t * d_st
+    else:
+        src_row = src_ptr + b * s_sb + t * s_st
+        dst_row = dst_ptr + b * d_sb + j * d_st
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        v = tl.load(src_row + d * s_sd, mask=m)
+        tl.store(dst_row + d * d_sd, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_fwd_kernel(x_ptr, inv_ptr, g_ptr, delta_ptr, out_ptr, T, D,
+                        x_sb, x_st, x_sd, g_sb, g_sk, dl_sb, dl_sk, dl_sd, o_sb, o_st, o_sd,
+                        BLOCK_D: tl.constexpr):
+    """Row r = (b, t): out = x + g[b, j] * delta[b, j] where j = inv[b, t] >= 0, else out = x."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // T
+    t = r % T
+    j = tl.load(inv_ptr + r).to(tl.int64)
+    # The row flag as a block: the interpreter cannot combine a scalar mask with a block mask.
+    sel = (j + tl.zeros([BLOCK_D], dtype=tl.int64)) >= 0
+    j = tl.maximum(j, 0)  # keep the (masked) addresses in range for unselected rows
+    g = tl.load(g_ptr + b * g_sb + j * g_sk).to(tl.float32)  # unused where the row is unselected
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        x = tl.load(x_ptr + b * x_sb + t * x_st + d * x_sd, mask=m)
+        dl = tl.load(delta_ptr + b * dl_sb + j * dl_sk + d * dl_sd, mask=m & sel, other=0.0)
+        # where(), not x + 0 * 0: unselected rows stay x bit for bit (-0.0 included).
+        y = tl.where(sel, x.to(tl.float32) + g * dl.to(tl.float32), x.to(tl.float32))
+        tl.store(out_ptr + b * o_sb + t * o_st + d * o_sd, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_bwd_kernel(go_ptr, idx_ptr, g_ptr, delta_ptr, gdelta_ptr, gg_ptr, K, D,
+                        go_sb, go_st, go_sd, i_sb, i_sk, g_sb, g_sk, dl_sb, dl_sk, dl_sd,
+                        gd_sb, gd_sk, gd_sd,
+                        GRAD_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r = (b, j), t = idx[b, j]: grad_delta = g * grad_out[b, t]; grad_g = <grad_out[b, t], delta[b, j]>."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // K
+    j = r % K
+    t = tl.load(idx_ptr + b * i_sb + j * i_sk).to(tl.int64)
+    g = tl.load(g_ptr + b * g_sb + j * g_sk).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        go = tl.load(go_ptr + b * go_sb + t * go_st + d * go_sd, mask=m, other=0.0).to(tl.float32)
+        tl.store(gdelta_ptr + b * gd_sb + j * gd_sk + d * gd_sd, (g * go).to(gdelta_ptr.dtype.element_ty), mask=m)
+        if GRAD_G:
+            dl = tl.load(delta_ptr + b * dl_sb + j * dl_sk + d * dl_sd, mask=m, other=0.0).to(tl.float32)
+            acc += go * dl
+    if GRAD_G:
+        tl.store(gg_ptr + r, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _unpermute_fwd_kernel(h_ptr, slot_ptr, w_ptr, yf_ptr, yc_ptr, out_ptr, T, D, n_full,
+                          h_sb, h_st, h_sd, w_sb, w_st, yf_sn, yf_sd, yc_sn, yc_sd, o_sb, o_st, o_sd,
+                          BLOCK_D: tl.constexpr):
+    """Row r = (b, t), s = slot[r]: out = h + w * (yf[s] if s < n_full else yc[s - n_full])."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // T
+    t = r % T
+    s = tl.load(slot_ptr + r).to(tl.int64)
+    is_full = (s + tl.zeros([BLOCK_D], dtype=tl.int64)) < n_full  # a block: see _combine_fwd_kernel
+    sf = tl.where(s < n_full, s, 0)
+    sc = tl.where(s < n_full, 0, s - n_full)
+    w = tl.load(w_ptr + b * w_sb + t * w_st).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        h = tl.load(h_ptr + b * h_sb + t * h_st + d * h_sd, mask=m).to(tl.float32)
+        # Exactly one of the two masked loads touches memory.
+        y = tl.load(yf_ptr + sf * yf_sn + d * yf_sd, mask=m & is_full, other=0.0).to(tl.float32) \
+            + tl.load(yc_ptr + sc * yc_sn + d * yc_sd, mask=m & (~is_full), other=0.0).to(tl.float32)
+        tl.store(out_ptr + b * o_sb + t * o_st + d * o_sd, (h + w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _unpermute_bwd_kernel(go_ptr, slot_ptr, w_ptr, yf_ptr, yc_ptr, gyf_ptr, gyc_ptr, gw_ptr, T, D, n_full,
+                          go_sb, go_st, go_sd, w_sb, w_st, yf_sn, yf_sd, yc_sn, yc_sd,
+                          GRAD_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r = (b, t), s = slot[r]: grad_y[s] = w * grad_out[b, t]; grad_w = <grad_out[b, t], y[s]>.
+
+    grad_y buffers are contiguous [n, D] (allocated by the launcher)."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // T
+    t = r % T
+    s = tl.load(slot_ptr + r).to(tl.int64)
+    is_full = (s + tl.zeros([BLOCK_D], dtype=tl.int64)) < n_full  # a block: see _combine_fwd_kernel
+    sf = tl.where(s < n_full, s, 0)
+    sc = tl.where(s < n_full, 0, s - n_full)
+    w = tl.load(w_ptr + b * w_sb + t * w_st).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        go = tl.load(go_ptr + b * go_sb + t * go_st + d * go_sd, mask=m, other=0.0).to(tl.float32)
+        gy = w * go
+        tl.store(gyf_ptr + sf * D + d, gy.to(gyf_ptr.dtype.element_ty), mask=m & is_full)
+        tl.store(gyc_ptr + sc * D + d, gy.to(gyc_ptr.dtype.element_ty), mask=m & (~is_full))
+        if GRAD_W:
+            y = tl.load(yf_ptr + sf * yf_sn + d * yf_sd, mask=m & is_full, other=0.0).to(tl.float32) \
+                + tl.load(yc_ptr + sc * yc_sn + d * yc_sd, mask=m & (~is_full), other=0.0).to(tl.float32)
+            acc += go * y
+    if GRAD_W:
+        tl.store(gw_ptr + r, tl.sum(acc, axis=0))
+
+
+# ----------------------------------------------------------------------------------- launchers
+
+
+def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    B, _, D = x.shape
+    K = idx.shape[1]
+    out = x.new_empty(B, K, D)
+    if out.numel():
+        bd = _block_d(D)
+        _move_rows_kernel[(B * K,)](x, out, idx, K, D, *x.stride(), *out.stride(), *idx.stride(),
+                                    SCATTER=False, BLOCK_D=bd, num_warps=_warps(bd))
+    return out
+
+
+def scatter_rows(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, dst_strides=None) -> torch.Tensor:
+    """dst[b, idx[b, j]] = src[b, j] (dst_strides overrides dst's (b, t, d) strides). Returns dst."""
+    B, K, D = src.shape
+    if B * K and D:
+        bd = _block_d(D)
+        _move_rows_kernel[(B * K,)](src, dst, idx, K, D, *src.stride(), *(dst_strides or dst.stride()),
+                                    *idx.stride(), SCATTER=True, BLOCK_D=bd, num_warps=_warps(bd))
+    return dst
+
+
+def gather_rows(src: torch.Tensor, src_strides, idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """out[b, j] = src[b, idx[b, j]] with src addressed by explicit (b, t, d) strides; out shaped like `like`."""
+    B, K, D = like.shape
+    out = torch.empty(B, K, D, dtype=src.dtype, device=src.device)
+    if out.numel():
+        bd = _block_d(D)
+        _move_rows_kernel[(B * K,)](src, out, idx, K, D, *src_strides, *out.stride(), *idx.stride(),
+                                    SCATTER=False, BLOCK_D=bd, num_warps=_warps(bd))
+    return out
+
+
+def combine_fwd(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    B, T, D = x.shape
+    K = idx.shape[1]
+    if K == 0:  # nothing to add (and g, delta are empty: no valid pointers to hand the kernel)
+        return x.clone()
+    # Inverse map t -> j (or -1), so one pass over all B*T rows writes every output row once.
+    inv = torch.full((B, T), -1, dtype=torch.int32, device=x.device)
+    inv.scatter_(1, idx, torch.arange(K, dtype=torch.int32, device=x.device).expand(B, K))
+    out = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    if out.numel():
+        bd = _block_d(D)
+        _combine_fwd_kernel[(B * T,)](x, inv, g, delta, out, T, D, *x.stride(), *g.stride(), *delta.stride(),
+                                      *out.stride(), BLOCK_D=bd, num_warps=_warps(bd))
+    return out
+
+
+def combine_bwd(grad_out: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor,
+                need_grad_g: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    B, K, D = delta.shape
+    grad_delta = torch.empty(B, K, D, dtype=delta.dtype, device=delta.device)
+    grad_g = torch.zeros(B, K, dtype=torch.float32, device=g.device) if need_grad_g else None
+    if B * K:
+        bd = _block_d(D)
+        _combine_bwd_kernel[(B * K,)](grad_out, idx, g, delta, grad_delta, grad_g if need_grad_g else grad_delta,
+                                      K, D, *grad_out.stride(), *idx.stride(), *g.stride(), *delta.stride(),
+                                      *grad_delta.stride(), GRAD_G=need_grad_g, BLOCK_D=bd, num_warps=_warps(bd))
+    return grad_delta, (grad_g.to(g.dtype) if need_grad_g else None)
+
+
+def _nonempty(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An empty path buffer is never read or written; hand the kernel a valid pointer anyway."""
+    return a if a.shape[0] else b
+
+
+def unpermute_fwd(h, slot, w, y_full, y_cheap) -> torch.Tensor:
+    B, T, D = h.shape
+    out = torch.empty(B, T, D, dtype=h.dtype, device=h.device)
+    if out.numel():
+        bd = _block_d(D)
+        yf, yc = _nonempty(y_full, y_cheap), _nonempty(y_cheap, y_full)
+        _unpermute_fwd_kernel[(B * T,)](h, slot, w, yf, yc, out, T, D, y_full.shape[0],
+                                        *h.stride(), *w.stride(), *yf.stride(), *yc.stride(),
+                                        *out.stride(), BLOCK_D=bd, num_warps=_warps(bd))
+    return out
+
+
+def unpermute_bwd(grad_out, slot, w, y_full, y_cheap, need_grad_w: bool):
+    B, T, D = grad_out.shape
+    grad_yf = torch.empty(y_full.shape, dtype=y_full.dtype, device=y_full.device)
+    grad_yc = torch.empty(y_cheap.shape, dtype=y_cheap.dtype, device=y_cheap.device)
+    grad_w = torch.zeros(B, T, dtype=torch.float32, device=w.device) if need_grad_w else None
+    if B * T:
+        bd = _block_d(D)
+        yf, yc = _nonempty(y_full, y_cheap), _nonempty(y_cheap, y_full)
+        gyf, gyc = _nonempty(grad_yf, grad_yc), _nonempty(grad_yc, grad_yf)
+        _unpermute_bwd_kernel[(B * T,)](grad_out, slot, w, yf, yc, gyf, gyc,
+                                        grad_w if need_grad_w else gyf, T, D, y_full.shape[0],
+                                        *grad_out.stride(), *w.stride(), *yf.stride(), *yc.stride(),
+                                        GRAD_W=need_grad_w, BLOCK_D=bd, num_warps=_warps(bd))
+    return grad_yf, grad_yc, (grad_w.to(w.dtype) if need_grad_w else None)
