@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU only under its interpreter, and triton fixes the mode when it is first
+# imported (DeepSpeed imports it too), so the switch is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megaroute.config import Config, load_config
 
