@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from megaroute.config import flatten, load_config
+from megaroute.flops import config_flops, training_proxy
 
 from .conftest import Job, losses, read_metrics, start_job
 from .mlflow_server import MARKER, MlflowServer, free_port
@@ -118,9 +119,14 @@ def _check_run(client: MlflowClient, run: Run) -> None:
     run_id = r.info.run_id
     assert r.info.status == "FINISHED"
 
-    # Params: the flattened resolved config, every key.
+    # Params: the flattened resolved config, every key, and the run's FLOPs accounting.
     cfg = load_config(str(run.dir / "config.yaml"), [])
-    assert r.data.params == {k: str(v) for k, v in flatten(cfg).items()}
+    flops = config_flops(cfg)
+    assert r.data.params == {**{k: str(v) for k, v in flatten(cfg).items()},
+                             "flops.train_per_token": str(flops.per_token(training=True)),
+                             "flops.inference_per_token": str(flops.per_token(training=False)),
+                             "flops.train_proxy_vs_full": str(round(training_proxy(cfg.model, cfg.routing,
+                                                                                   cfg.data.seq_len), 4))}
     assert r.data.params["model.d_model"] == "64" and r.data.params["routing.method"] == "mod"
     assert r.data.params["train.max_steps"] == str(STEPS)
 
