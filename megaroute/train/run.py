@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
+from ..parallel import ParallelLayout
 from .env import DistEnv, detect_env
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 
@@ -83,14 +84,18 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     from .loop import Trainer, TrainState
 
     # ---- checks that need no process group ----
-    dp_size = ds.data_parallel_size(cfg, env.world_size)
+    layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
+    dp_rank, dp_size = layout.dp_rank, layout.dp
     ds_config = ds.deepspeed_config(cfg, dp_size)
     check_data(cfg)
+    if cfg.checkpoint.init_from and layout.tp > 1:
+        raise ConfigError("checkpoint.init_from", f"loading full weights into a tensor-parallel model "
+                                                  f"(parallel.tp={layout.tp}) is not supported yet")
     init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
     # ---- process group, data, model, engine ----
     ds.init_distributed(env)
-    dp_rank = env.rank // cfg.parallel.tp
+    layout.init_process_groups()
     run_dir = cfg.run_dir
     if env.is_main:
         os.makedirs(run_dir, exist_ok=True)
@@ -106,7 +111,9 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     train_set, val_set, tokenizer = _datasets(cfg)
 
     _seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, cfg.routing)
+    # Every rank draws the full weights from the same seed and keeps its TP slice.
+    model = build_model(cfg.model, cfg.routing, tp_group=layout.tp_group,
+                        activation_checkpointing=cfg.parallel.activation_checkpointing)
     if init_path:
         _init_from(model, init_path, controller_only=cfg.train.controller_only)
     if cfg.train.controller_only:
@@ -120,9 +127,11 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     total_steps = _total_steps(cfg, tokens_per_step, fpt)
-    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps)
-    # Per-rank seeds after init so every rank builds the same model but draws its own randomness.
-    _seed_everything(cfg.train.seed + env.rank)
+    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps, layout)
+    # Per-DP-rank seeds after init: data-parallel replicas draw their own randomness, while the
+    # TP ranks of one replica share a stream, so replicated routing draws (random baselines,
+    # oracle-label sampling, rank-loss pairs) stay identical across them.
+    _seed_everything(cfg.train.seed + dp_rank)
 
     from ..data.loader import SequenceLoader
 
@@ -166,7 +175,8 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
         count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
-        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model)), probe_interval=cfg.train.log_interval,
+        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), layout.tp_group),
+        probe_interval=cfg.train.log_interval,
     )
     try:
         final = trainer.fit()
