@@ -54,6 +54,7 @@ def _linear_default_init(weight: torch.Tensor) -> None:
 class TensorParallelModule(nn.Module):
     """Shared init logic: a module whose `weight` is a slice of a full tensor of `full_shape`."""
 
+    group: Group
     weight: nn.Parameter
     full_shape: tuple[int, ...]
     shard_dim: int

@@ -29,6 +29,7 @@ class ParallelLayout:
     rank: int = 0
     _tp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     _dp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
+    _groups_ready: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -85,6 +86,11 @@ class ParallelLayout:
         if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
             raise RuntimeError(f"layout {self} does not match the process group (rank {dist.get_rank()} of "
                                f"{dist.get_world_size()})")
+        if self.tp == 1:
+            # No TP: the layers get group None and DP is the whole world; world-size many
+            # singleton groups would only cost start-up time on a large cluster.
+            self._dp_group, self._groups_ready = dist.group.WORLD, True
+            return self
         # new_group is collective over the whole world: all ranks create all groups, in one order.
         for d in range(self.dp):
             group = dist.new_group(self.tp_group_ranks(d))
@@ -94,10 +100,11 @@ class ParallelLayout:
             group = dist.new_group(self.dp_group_ranks(t))
             if t == self.tp_rank:
                 self._dp_group = group
+        self._groups_ready = True
         return self
 
     def _require_groups(self) -> None:
-        if self._tp_group is None:
+        if not self._groups_ready:
             raise RuntimeError("process groups not created: call layout.init_process_groups() first")
 
     @property
@@ -108,8 +115,8 @@ class ParallelLayout:
         self._require_groups()
         return self._tp_group
 
-    # ---- DeepSpeed mpu interface ----
-    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
+    # ---- DeepSpeed mpu interface (passed to DeepSpeed only when tp > 1) ----
+    def get_tensor_model_parallel_group(self) -> Optional[dist.ProcessGroup]:
         self._require_groups()
         return self._tp_group
 

@@ -247,3 +247,21 @@ def test_config_rejects_dims_not_divisible_by_tp(override, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(None, [*TINY, "data.tokenizer.vocab_size=64", "parallel.tp=4", override])
     assert e.value.path == "parallel.tp"
+
+
+def _group_members(rank: int, world: int) -> dict:
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2), world, rank).init_process_groups()
+    out = {}
+    for kind, group in (("tp", layout.get_tensor_model_parallel_group()), ("dp", layout.get_data_parallel_group())):
+        members = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([float(rank)]), group=group)
+        out[kind] = [int(m) for m in members]
+    out["ranks"] = (layout.get_tensor_model_parallel_rank(), layout.get_data_parallel_rank())
+    return out
+
+
+def test_tp2_dp2_groups_are_consecutive_and_strided():
+    results = run_distributed(_group_members, 4)
+    assert [r["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["ranks"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
