@@ -167,9 +167,16 @@ def _model_checks(rank: int, world: int) -> dict:
             worst_init = max(worst_init, _max_diff(full_p, refs[name].detach()))
             worst_grad = max(worst_grad, _max_diff(full_g, refs[name].grad))
         logits = tp.gather_logits(out_tp.logits)
+        # Evaluation modes: causal decisions, ragged dispatch (depth gate, early exit, hard halting).
+        mode = "hard" if method == "halting" else "causal" if method != "none" else "topk"
+        with torch.no_grad():
+            ref.eval()
+            tp.eval()
+            eval_diff = abs(float(ref(tokens, targets, routing_mode=mode).lm_loss)
+                            - float(tp(tokens, targets, routing_mode=mode).lm_loss))
         results[(method, ckpt)] = {
             "loss": float(out_tp.loss), "ref_loss": float(out_ref.loss), "init": worst_init, "grad": worst_grad,
-            "logits": _max_diff(logits, out_ref.logits), "local_vocab": out_tp.logits.shape[-1],
+            "logits": _max_diff(logits, out_ref.logits), "local_vocab": out_tp.logits.shape[-1], "eval": eval_diff,
             "chosen": [c.tolist() for c in chosen],
         }
     return results
@@ -188,6 +195,7 @@ def test_tp2_model_matches_single_process(model_results, method, ckpt):
         assert abs(res["loss"] - res["ref_loss"]) <= 1e-5, (rank, res["loss"], res["ref_loss"])
         assert res["grad"] <= 1e-5, f"rank {rank}: gathered gradients differ by {res['grad']}"
         assert res["logits"] <= 1e-5 and res["local_vocab"] == 64  # logits stay vocab-sharded
+        assert res["eval"] <= 1e-5, f"rank {rank}: evaluation-mode loss differs by {res['eval']}"
 
 
 @pytest.mark.parametrize("method", ["mod", "depth_gate"])
