@@ -10,8 +10,8 @@ vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
 from __future__ import annotations
 
 import math
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import torch
