@@ -251,5 +251,26 @@ def parallel_argmax(logits: torch.Tensor, group: Group = None) -> torch.Tensor:
     return torch.stack(is_).gather(0, best.unsqueeze(0)).squeeze(0)
 
 
+def shard_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (TP=1) weights -> this rank's slices for every sharded tensor of `model`, so a
+    tensor-parallel model can load a single-process checkpoint. Other entries pass through."""
+    out = dict(state)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, TensorParallelModule) or tp_size(module.group) == 1:
+            continue
+        for pname in ("weight", "bias"):
+            key = f"{prefix}.{pname}" if prefix else pname
+            param = getattr(module, pname, None)
+            if key not in out or not getattr(param, "tensor_model_parallel", False):
+                continue
+            full_shape = module.full_shape if pname == "weight" else module.full_shape[:1]
+            if tuple(out[key].shape) != tuple(full_shape):
+                raise ValueError(f"{key}: expected the full shape {tuple(full_shape)}, got {tuple(out[key].shape)} "
+                                 "(a tensor-parallel slice?)")
+            out[key] = module.shard(out[key]) if pname == "weight" else shard_dim(
+                out[key], 0, tp_rank(module.group), tp_size(module.group), module.chunks)
+    return out
+
+
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorParallelModule", "VocabParallelEmbedding",
-           "gather_from_tp", "parallel_argmax", "shard_dim", "vocab_parallel_cross_entropy"]
+           "gather_from_tp", "parallel_argmax", "shard_dim", "shard_full_state_dict", "vocab_parallel_cross_entropy"]

@@ -88,9 +88,6 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     dp_rank, dp_size = layout.dp_rank, layout.dp
     ds_config = ds.deepspeed_config(cfg, dp_size)
     check_data(cfg)
-    if cfg.checkpoint.init_from and layout.tp > 1:
-        raise ConfigError("checkpoint.init_from", f"loading full weights into a tensor-parallel model "
-                                                  f"(parallel.tp={layout.tp}) is not supported yet")
     init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
     # ---- process group, data, model, engine ----
@@ -314,6 +311,7 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     """Loads model weights from a checkpoint (strict=False: a routed model has controller modules a
     dense checkpoint lacks). Every base parameter must be present: a silently random base would
     make controller-only training meaningless."""
+    from ..parallel import shard_full_state_dict
     from ..routing import is_controller_param
 
     state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
@@ -321,6 +319,11 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     if not weights:
         raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
                                                   "it with DeepSpeed's zero_to_fp32 first)")
+    try:  # a tensor-parallel model keeps its slice of each full (single-process) tensor
+        weights = shard_full_state_dict(model, weights)
+    except ValueError as e:
+        raise ConfigError("checkpoint.init_from", f"{path}: {e}; init_from needs a checkpoint saved with "
+                                                  "parallel.tp=1") from None
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected:
         raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")

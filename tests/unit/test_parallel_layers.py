@@ -14,7 +14,7 @@ from torch import nn
 
 from megaroute.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from megaroute.parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, VocabParallelEmbedding,
-                                gather_from_tp, parallel_argmax, scatter_to_tp, shard_dim,
+                                gather_from_tp, parallel_argmax, scatter_to_tp, shard_dim, shard_full_state_dict,
                                 vocab_parallel_cross_entropy)
 from megaroute.parallel.testing import run_distributed
 
@@ -174,7 +174,20 @@ def _model_checks(rank: int, world: int) -> dict:
             tp.eval()
             eval_diff = abs(float(ref(tokens, targets, routing_mode=mode).lm_loss)
                             - float(tp(tokens, targets, routing_mode=mode).lm_loss))
+        # A TP model loads a single-process state dict by slicing it (checkpoint.init_from).
+        torch.manual_seed(123)
+        fresh = build_model(cfg.model, cfg.routing, tp_group=group)
+        fresh.load_state_dict(shard_full_state_dict(fresh, ref.state_dict()))
+        # (allclose: buffers such as the depth gate's running threshold were updated by the forwards above)
+        loads_full = all(torch.allclose(a.float(), b.float(), atol=1e-6)
+                         for a, b in zip(fresh.state_dict().values(), tp.state_dict().values()))
+        try:
+            shard_full_state_dict(fresh, tp.state_dict())
+            rejects_slices = False
+        except ValueError:
+            rejects_slices = True
         results[(method, ckpt)] = {
+            "loads_full": loads_full, "rejects_slices": rejects_slices,
             "loss": float(out_tp.loss), "ref_loss": float(out_ref.loss), "init": worst_init, "grad": worst_grad,
             "logits": _max_diff(logits, out_ref.logits), "local_vocab": out_tp.logits.shape[-1], "eval": eval_diff,
             "chosen": [c.tolist() for c in chosen],
@@ -196,6 +209,7 @@ def test_tp2_model_matches_single_process(model_results, method, ckpt):
         assert res["grad"] <= 1e-5, f"rank {rank}: gathered gradients differ by {res['grad']}"
         assert res["logits"] <= 1e-5 and res["local_vocab"] == 64  # logits stay vocab-sharded
         assert res["eval"] <= 1e-5, f"rank {rank}: evaluation-mode loss differs by {res['eval']}"
+        assert res["loads_full"] and res["rejects_slices"]
 
 
 @pytest.mark.parametrize("method", ["mod", "depth_gate"])
