@@ -21,10 +21,10 @@ STEPS = 5
 # DP=2 runs one each.
 SMALL = ["data.seq_len=32", "model.max_seq_len=32", f"train.max_steps={STEPS}", "checkpoint.interval=1000",
          "tracking.enabled=false"]
-CASES = [  # (routing method, ZeRO stage, tp, dp)
-    ("none", 1, 2, 2), ("none", 2, 2, 1), ("none", 3, 2, 2),
-    ("mod", 1, 2, 1), ("mod", 2, 2, 2), ("mod", 3, 2, 2),
-    ("depth_gate", 1, 2, 2),
+CASES = [  # (routing method, ZeRO stage, tp, dp, activation checkpointing)
+    ("none", 1, 2, 2, False), ("none", 2, 2, 1, False), ("none", 3, 2, 2, False),
+    ("mod", 1, 2, 1, False), ("mod", 2, 2, 2, True), ("mod", 3, 2, 2, False),
+    ("depth_gate", 1, 2, 2, False),
 ]
 
 
@@ -41,15 +41,16 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(workdir, char_data):
-    """run(method, zero, tp, dp) -> {step: metrics}; each distinct run launched once per module."""
+    """run(method, zero, tp, dp, ckpt) -> {step: metrics}; each distinct run launched once per module."""
     cache: dict[tuple, dict[int, dict]] = {}
 
-    def get(method: str, zero: int = 1, tp: int = 1, dp: int = 1) -> dict[int, dict]:
-        key = (method, zero, tp, dp)
+    def get(method: str, zero: int = 1, tp: int = 1, dp: int = 1, ckpt: bool = False) -> dict[int, dict]:
+        key = (method, zero, tp, dp, ckpt)
         if key not in cache:
-            name = f"{method}_z{zero}_tp{tp}_dp{dp}"
+            name = f"{method}_z{zero}_tp{tp}_dp{dp}" + ("_ckpt" if ckpt else "")
             job = _job(workdir, char_data, name, method, f"optim.zero_stage={zero}", f"parallel.tp={tp}",
-                       f"parallel.dp={dp}", nprocs=tp * dp)
+                       f"parallel.dp={dp}", f"parallel.activation_checkpointing={str(ckpt).lower()}",
+                       nprocs=tp * dp)
             assert job.wait() == EXIT_OK, job.output()[-4000:]
             cache[key] = read_metrics(workdir / "runs" / name)
             assert sorted(cache[key]) == list(range(1, STEPS + 1))
@@ -58,9 +59,10 @@ def run(workdir, char_data):
     return get
 
 
-@pytest.mark.parametrize("method,zero,tp,dp", CASES, ids=[f"{m}-zero{z}-tp{t}xdp{d}" for m, z, t, d in CASES])
-def test_tp_run_matches_single_process(run, method, zero, tp, dp):
-    reference, parallel = run(method), run(method, zero, tp, dp)
+@pytest.mark.parametrize("method,zero,tp,dp,ckpt", CASES,
+                         ids=[f"{m}-zero{z}-tp{t}xdp{d}" + ("-actckpt" if c else "") for m, z, t, d, c in CASES])
+def test_tp_run_matches_single_process(run, method, zero, tp, dp, ckpt):
+    reference, parallel = run(method), run(method, zero, tp, dp, ckpt)
     for step in range(1, STEPS + 1):
         ref, got = reference[step], parallel[step]
         assert abs(got["train/loss"] - ref["train/loss"]) <= 1e-5, (step, got["train/loss"], ref["train/loss"])
@@ -83,6 +85,16 @@ def test_tp2_dp2_save_and_resume_continues_identically(workdir, char_data, run):
     assert second.wait() == EXIT_OK, second.output()[-4000:]
     assert "at step 3" in second.output()
     assert losses(workdir / "runs" / name) == {s: m["train/loss"] for s, m in uninterrupted.items()}
+
+
+def test_controller_only_tp2_run_initialized_from_a_single_process_checkpoint(workdir, char_data, run):
+    run("none")  # the dense single-process reference leaves its final checkpoint
+    name = "controller_tp2"
+    job = _job(workdir, char_data, name, "mod", "parallel.tp=2", "train.controller_only=true", "train.max_steps=2",
+               f"checkpoint.init_from={workdir / 'runs' / 'none_z1_tp1_dp1'}", nprocs=2)
+    assert job.wait() == EXIT_OK, job.output()[-4000:]
+    assert "controller-only: training" in job.output()
+    assert sorted(losses(workdir / "runs" / name)) == [1, 2]
 
 
 def test_layout_larger_than_the_world_fails_before_process_groups(workdir, char_data):
