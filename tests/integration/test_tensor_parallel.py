@@ -2,8 +2,9 @@
 (torchrun) against a single-process run of the same config.
 
 TP=2 and TP=2 x DP=2 must reproduce the single-process per-step losses within 1e-5 (fp32) over 5
-optimizer steps, and its gradient norm (DeepSpeed counts TP-sharded parameters once per TP group
-through the layout-as-mpu), under ZeRO 1, 2 and 3. A TP=2 x DP=2 run stopped and resumed from its
+optimizer steps, and its gradient norms (the norm of the gathered gradients: DeepSpeed's, which
+reads TP-sharded parameters through the layout-as-mpu, and the per-group probe), under ZeRO 1, 2
+and 3. A TP=2 x DP=2 run stopped and resumed from its
 per-TP-rank checkpoint files continues bit for bit.
 """
 
@@ -66,7 +67,8 @@ def test_tp_run_matches_single_process(run, method, zero, tp, dp, ckpt):
     for step in range(1, STEPS + 1):
         ref, got = reference[step], parallel[step]
         assert abs(got["train/loss"] - ref["train/loss"]) <= 1e-5, (step, got["train/loss"], ref["train/loss"])
-        assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4), step
+        for key in ("train/grad_norm", "grad_norm/base"):  # DeepSpeed's clip norm and our per-group probe
+            assert got[key] == pytest.approx(ref[key], rel=1e-4), (step, key)
         assert got["train/lr"] == ref["train/lr"]
 
 
