@@ -55,21 +55,17 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
             # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
             tp_bytes += 4 * tokens * d * act
             tp_ops += 4
-        # embedding forward [B, T, d]; LM-head input grad [B, T, d]; vocab-parallel CE: max, then (target, sum-exp), fp32.
+        # Embedding forward and LM-head input grad, [B, T, d] each; vocab-parallel CE: max, then
+        # (target logit, sum of exp), fp32. Depth-gate oracle-label passes are not counted.
         tp_bytes += 2 * B * seq_len * d * act + 3 * B * seq_len * 4
         tp_ops += 4
         tp_bytes *= accumulation
         tp_ops *= accumulation
+    from ..inspect import param_counts
     from ..model import build_model
-    from ..parallel import TensorParallelModule
-    from ..routing import is_controller_param
 
-    meta = build_model(model, routing, device="meta")
-    # Attention, FFN, embedding and LM head are split over tp; routing controllers (routers,
-    # gates, cheap FFNs) and norms are replicated. Tied weights are counted once.
-    sharded = {id(m.weight) for name, m in meta.named_modules()
-               if isinstance(m, TensorParallelModule) and not is_controller_param(name)}
-    local = sum(p.numel() // tp if id(p) in sharded else p.numel() for p in meta.parameters())
+    # Attention, FFN, embedding and LM head are split over tp; routing controllers and norms are replicated.
+    local = param_counts(build_model(model, routing, device="meta"), tp)["per_tp_rank"]
     dp_bytes = float(local * act) if dp > 1 else 0.0
     gather = 2.0 * local * act if dp > 1 and zero_stage == 3 else 0.0
     return CommVolume(tp_bytes, tp_ops, dp_bytes, gather)
@@ -136,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         t1 = {n: run_distributed(_train_steps, 1, *args, n, env=env)[0] for n in (1, 2)}
         t2 = max(run_distributed(_train_steps, 2, *args, 1, env=env))
         for n, t in t1.items():
-            print(f"TP=1 (1 process x {n} thread{'s' if n > 1 else ' '}): {t * 1e3:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
+            label = f"TP=1 (1 process x {n} thread{'s' if n > 1 else ' '})"
+            print(f"{label}: {t * 1e3:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
         print(f"TP=2 (2 processes x 1 thread): {t2 * 1e3:8.1f} ms/step  {tokens / t2:9.0f} tokens/s  "
               f"(x{min(t1.values()) / t2:.2f} vs the faster TP=1)")
     v = comm_volume(SHAPE, routing, a.tp, a.dp, a.batch, a.seq_len, zero_stage=a.zero_stage, precision=a.precision)

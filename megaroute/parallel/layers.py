@@ -103,7 +103,8 @@ class ColumnParallelLinear(TensorParallelModule):
         self.init_weight_(_linear_default_init)
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
-            full = torch.empty(self.out_features, device=self.bias.device, dtype=self.bias.dtype).uniform_(-bound, bound)
+            full = torch.empty(self.out_features, device=self.bias.device, dtype=self.bias.dtype)
+            full.uniform_(-bound, bound)
             self.bias.copy_(shard_dim(full, 0, tp_rank(self.group), tp_size(self.group), self.chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,8 @@ def _layer_checks(rank: int, world: int) -> dict[str, float]:
     xr = x.clone().requires_grad_()
     scattered = scatter_to_tp(xr, group)
     scattered.sum().backward()
-    out["scatter/roundtrip"] = _max_diff(scattered, shard_dim(x, -1, rank, world)) + _max_diff(xr.grad, torch.ones_like(x))
+    out["scatter/roundtrip"] = (_max_diff(scattered, shard_dim(x, -1, rank, world))
+                                + _max_diff(xr.grad, torch.ones_like(x)))
     return out
 
 
@@ -230,7 +231,8 @@ def test_tp1_layers_are_the_plain_layers():
     assert torch.equal(col(x), ref_lin(x)) and torch.equal(row(x), ref_lin(x))
     assert torch.equal(emb(ids), ref_emb(ids))
     logits, targets = torch.randn(2, 3, 10), torch.randint(0, 10, (2, 3))
-    assert torch.equal(vocab_parallel_cross_entropy(logits, targets), F.cross_entropy(logits.view(-1, 10), targets.view(-1)))
+    assert torch.equal(vocab_parallel_cross_entropy(logits, targets),
+                       F.cross_entropy(logits.view(-1, 10), targets.view(-1)))
     assert not hasattr(col.weight, "tensor_model_parallel")
 
 
@@ -287,3 +289,17 @@ def test_tp2_dp2_groups_are_consecutive_and_strided():
     assert [r["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [r["ranks"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_inspect_counts_only_tp_layers_as_sharded():
+    from megaroute.inspect import param_counts, tp_sharded_params
+    from megaroute.model import build_model
+
+    cfg = load_config(None, [*TINY, "routing.method=depth_gate"])
+    model = build_model(cfg.model, cfg.routing, device="meta")
+    sharded = {id(p) for p in tp_sharded_params(model)}
+    names = {n for n, p in model.named_parameters() if id(p) in sharded}
+    assert "embed.weight" in names and "layers.1.block.mlp.gate_up.weight" in names
+    assert not any(part in n for n in names for part in ("scorer", "cheap", "norm"))
+    counts = param_counts(model, tp=2)
+    assert counts["per_tp_rank"] == counts["total"] - sum(p.numel() for p in tp_sharded_params(model)) // 2
