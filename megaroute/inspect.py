@@ -18,14 +18,23 @@ from .config.cli import add_config_args
 from .flops import COMPONENTS, config_flops, training_proxy
 from .memory import estimate_memory
 
-# Parameters Megatron-style TP keeps whole on every rank (norms are 1-D and caught by ndim).
-_REPLICATED = ("router", "predictor")
+def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
+    head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
+    norms stay whole on every rank. Tied weights once."""
+    from .parallel import TensorParallelModule
+    from .routing import is_controller_param
+
+    out: dict[int, nn.Parameter] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, TensorParallelModule) and not is_controller_param(name):
+            out.setdefault(id(m.weight), m.weight)
+    return list(out.values())
 
 
 def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
     """Total / non-embedding counts (tied weights once), per-TP-rank count and largest layer."""
-    sharded = sum(p.numel() for name, p in model.named_parameters()
-                  if p.ndim == 2 and not any(r in name for r in _REPLICATED))
+    sharded = sum(p.numel() for p in tp_sharded_params(model))
     total = model.num_params()
     # ZeRO-3 gathers one module's own parameters at a time: DeepSpeed's "largest layer".
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())

@@ -206,6 +206,17 @@ class ParallelConfig:
         _require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
         _require(self.dp >= 0, f"{path}.dp", f"must be >= 0 (0 = derive from world size), got {self.dp}")
 
+    def check_model(self, model: ModelConfig) -> None:
+        """Static tensor-parallel checks (no world size needed): attention heads, SwiGLU hidden
+        units and the vocabulary are split across TP ranks, so tp must divide each of them."""
+        if self.tp == 1:
+            return
+        for key, value, what in (("model.n_heads", model.n_heads, "attention heads"),
+                                 ("model.d_ff", model.ffn_hidden, "SwiGLU hidden units (model.ffn_hidden)"),
+                                 ("model.vocab_size", model.vocab_size, "vocabulary rows")):
+            _require(value % self.tp == 0, "parallel.tp",
+                     f"tp={self.tp} does not divide {key}={value}: {what} are split across tensor-parallel ranks")
+
 
 @dataclass
 class OptimConfig:
@@ -378,6 +389,7 @@ class Config:
         _require(bool(self.name) and "/" not in self.name, "name", f"must be a non-empty name without '/', got {self.name!r}")
         for section in ("model", "routing", "parallel", "optim", "data", "train", "checkpoint", "tracking"):
             getattr(self, section).validate(section)
+        self.parallel.check_model(self.model)
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len",
                  f"{self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
         if self.data.tokenizer.kind == "sentencepiece":

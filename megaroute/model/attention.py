@@ -1,4 +1,8 @@
-"""Causal self-attention over a (possibly gathered) token sequence."""
+"""Causal self-attention over a (possibly gathered) token sequence.
+
+Under tensor parallelism each rank owns n_heads / tp heads: qkv is column-parallel (split per
+q/k/v block), the output projection row-parallel (its all-reduce returns a replicated result).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
+from ..parallel.mappings import Group
 from .rope import apply_rotary
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, tp_group: Group = None):
         super().__init__()
-        self.n_heads = n_heads
         self.head_dim = d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.n_heads = n_heads // tp_size(tp_group)  # local heads
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, group=tp_group, chunks=3)
+        self.out = RowParallelLinear(d_model, d_model, group=tp_group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, D], tokens in ascending position order, so index order is causal order."""

@@ -3,14 +3,21 @@
 Routed blocks need the block's residual *update* (attention update + MLP update, residual not
 included) for the gathered tokens; computing it directly rather than as `block(x) - x` keeps
 it exact, and the dense forward uses the same expression so capacity 1.0 equals dense bit for bit.
+
+Activation checkpointing (`checkpoint_activations`) recomputes `update` in backward. It wraps
+only the block's own math, never a routing layer, so routers and their side effects (running
+thresholds, auxiliary losses, statistics) run exactly once per step; under TP the recompute
+repeats the same collectives in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..parallel.mappings import Group
 from .attention import CausalSelfAttention
 from .mlp import SwiGLU
 from .norm import RMSNorm
@@ -18,15 +25,21 @@ from .rope import Positions
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group: Group = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, tp_group)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden, tp_group)
+        self.checkpoint_activations = False
 
     def update(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), pos.cos, pos.sin)
+        if self.checkpoint_activations and self.training and torch.is_grad_enabled():
+            return checkpoint(self._update, x, pos.cos, pos.sin, use_reentrant=False)
+        return self._update(x, pos.cos, pos.sin)
+
+    def _update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin)
         m = self.mlp(self.mlp_norm(x + a))
         return a + m
 

@@ -1,16 +1,26 @@
-"""Decoder-only language model: embedding -> layers (dense or routed) -> norm -> LM head."""
+"""Decoder-only language model: embedding -> layers (dense or routed) -> norm -> LM head.
+
+Tensor parallelism: given a TP group, the embedding and LM head are split by vocabulary, attention
+by heads and SwiGLU by hidden units; the hidden state between blocks stays replicated, so routed
+layers (replicated routers and gates) decide identically on every TP rank. `ModelOutput.logits`
+is then this rank's vocabulary slice [B, T, V/tp]; `Transformer.gather_logits` assembles the full
+vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, RoutingConfig
+from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParallelEmbedding, gather_from_tp,
+                        vocab_parallel_cross_entropy)
+from ..parallel.mappings import Group
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
 
@@ -29,29 +39,40 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, routing: RoutingConfig):
+    def __init__(self, cfg: ModelConfig, routing: RoutingConfig, tp_group: Group = None,
+                 activation_checkpointing: bool = False):
         super().__init__()
         from ..routing import build_layer  # routing builds on model.block; import here avoids a cycle
 
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tp_group = tp_group
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(build_layer(i, cfg, routing) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(build_layer(i, cfg, routing, tp_group) for i in range(cfg.n_layers))
+        for layer in self.layers:
+            layer.block.checkpoint_activations = activation_checkpointing
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Vocab-sharded output: the loss consumes it without gathering.
+        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, group=tp_group)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.lm_head.weight = self.embed.weight  # both split by vocabulary rows, so the slices match
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         # GPT-2 style: N(0, std) everywhere; residual output projections scaled by
         # 1/sqrt(2 * n_layers) so the residual stream's variance does not grow with depth.
+        # Tensor-parallel layers draw the full weight and keep their slice, in the same module
+        # order, so a seed gives the same model at every TP size.
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, TensorParallelModule)):
                 is_residual_out = name.endswith(("attn.out", "mlp.down"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual_out else self.cfg.init_std)
+                std = residual_std if is_residual_out else self.cfg.init_std
+                if isinstance(module, TensorParallelModule):
+                    module.init_weight_(partial(nn.init.normal_, std=std))
+                else:
+                    nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
@@ -77,13 +98,15 @@ class Transformer(nn.Module):
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}))
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
-        ctx.readout = lambda h: self.lm_head(self.norm(h))
+        ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos, ctx, f"layer_{i}")
         logits = self.lm_head(self.norm(x))
-        for fn in ctx.deferred:
-            fn(logits)
+        if ctx.deferred:
+            full_logits = self.gather_logits(logits)
+            for fn in ctx.deferred:
+                fn(full_logits)
         ctx.deferred.clear()  # the closures reference ctx: break the cycle so activations free promptly
         if ctx.exec_frac:
             # Token-layer operations executed, as a fraction of running every block for every token.
@@ -92,7 +115,7 @@ class Transformer(nn.Module):
 
         out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats)
         if targets is not None:
-            out.lm_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out
@@ -109,10 +132,14 @@ class Transformer(nn.Module):
         ctx = RoutingContext(mode="topk", force=force)
         for i in range(start + 1, len(self.layers)):
             x = self.layers[i](x, pos, ctx, f"layer_{i}")
-        logits = self.lm_head(self.norm(x)).float()
-        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        return vocab_parallel_cross_entropy(self.lm_head(self.norm(x)), targets, self.tp_group, reduction="none")
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab slice [..., V/tp] -> full logits [..., V] (identity at TP=1; differentiable)."""
+        return gather_from_tp(logits, self.tp_group)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters held by this rank (under TP, sharded tensors count their local slice)."""
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         if exclude_embedding:
             n -= self.embed.weight.numel()
@@ -121,8 +148,12 @@ class Transformer(nn.Module):
         return n
 
 
-def build_model(cfg: ModelConfig, routing: RoutingConfig, device: str | torch.device = "cpu") -> Transformer:
-    """Builds on `device` ('meta' builds the structure without memory) in `cfg.dtype`."""
+def build_model(cfg: ModelConfig, routing: RoutingConfig, device: str | torch.device = "cpu",
+                tp_group: Group = None, activation_checkpointing: bool = False) -> Transformer:
+    """Builds on `device` ('meta' builds the structure without memory) in `cfg.dtype`.
+
+    tp_group: the tensor-parallel group (None = no TP); the same seed gives the same model for any TP size.
+    """
     with torch.device(device):
-        model = Transformer(cfg, routing)
+        model = Transformer(cfg, routing, tp_group, activation_checkpointing)
     return model.to(DTYPES[cfg.dtype]) if cfg.dtype != "float32" else model

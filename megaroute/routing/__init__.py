@@ -43,8 +43,10 @@ class DenseLayer(nn.Module):
         return self.block(x, pos)
 
 
-def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig) -> nn.Module:
-    block = TransformerBlock(model_cfg)
+def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig, tp_group=None) -> nn.Module:
+    """tp_group shards the block's attention heads and FFN; routers, gates and predictors stay
+    replicated (they read the replicated hidden state, so every TP rank decides identically)."""
+    block = TransformerBlock(model_cfg, tp_group)
     if routing_cfg.method == "early_exit":
         # Every block must skip exited tokens; the routed ones also own an exit head.
         return EarlyExitLayer(block, model_cfg, routing_cfg, head=routing_cfg.is_routed(index))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..parallel import ParallelLayout
 from .env import DistEnv
 from .optim import GuardedAdamW, lr_lambda, param_groups
 
@@ -29,13 +30,7 @@ def grad_accumulation_steps(cfg: Config, dp_size: int) -> int:
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
     """The DP size implied by the layout; raises before any process group exists."""
-    tp = cfg.parallel.tp
-    if world_size % tp:
-        raise ConfigError("parallel.tp", f"tp={tp} does not divide the world size {world_size}")
-    dp = cfg.parallel.dp or world_size // tp
-    if tp * dp != world_size:
-        raise ConfigError("parallel.dp", f"tp x dp = {tp} x {dp} = {tp * dp} does not match the world size {world_size}")
-    return dp
+    return ParallelLayout.from_config(cfg.parallel, world_size, model=cfg.model).dp
 
 
 def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
@@ -74,9 +69,18 @@ def init_distributed(env: DistEnv) -> None:
         torch.cuda.set_device(env.local_rank)
 
 
-def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int, mpu: Optional[Any] = None):
-    """Wraps model + optimizer + LR schedule in a DeepSpeed engine."""
+def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
+               layout: Optional[ParallelLayout] = None):
+    """Wraps model + optimizer + LR schedule in a DeepSpeed engine.
+
+    With tensor parallelism the layout is DeepSpeed's `mpu`: ZeRO then averages gradients and
+    partitions state over the data-parallel group only, saves one model file per TP rank
+    (mp_rank_XX) and counts TP-sharded parameters once per TP group in the grad norm. At tp = 1
+    it is left out, so DeepSpeed keeps its default world group (the same math).
+    """
     import deepspeed
+
+    mpu = layout if layout is not None and layout.tp > 1 else None
 
     groups = param_groups(model, cfg.optim.weight_decay)
     optimizer = None
@@ -95,20 +99,25 @@ def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int, m
     return engine, optimizer, scheduler
 
 
-def grad_norms(groups: dict[str, list[torch.nn.Parameter]]) -> dict[str, float]:
+def grad_norms(groups: dict[str, list[torch.nn.Parameter]], tp_group=None) -> dict[str, float]:
     """L2 norm of the full (unpartitioned) gradient of each named parameter group.
 
-    Collective under ZeRO (DeepSpeed assembles partitioned gradients): every rank must call it,
-    after the last backward and before the optimizer step.
+    Collective under ZeRO (DeepSpeed assembles partitioned gradients) and, with a TP group, over
+    it (TP-sharded parameters contribute their slices; replicated ones count once): every rank
+    must call it, after the last backward and before the optimizer step.
     """
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
-    out = {}
-    for name, params in groups.items():
-        total = 0.0
-        for p in params:
+    names = sorted(groups)
+    sums = torch.zeros(len(names), 2, dtype=torch.float64)  # [replicated, tp-sharded] squared sums
+    for i, name in enumerate(names):
+        for p in groups[name]:
             g = safe_get_full_grad(p)
             if g is not None:
-                total += float(g.detach().float().pow(2).sum())
-        out[f"grad_norm/{name}"] = total ** 0.5
-    return out
+                sums[i, int(getattr(p, "tensor_model_parallel", False))] += float(g.detach().float().pow(2).sum())
+    if tp_group is not None:
+        sharded = sums[:, 1].contiguous()
+        dist.all_reduce(sharded, group=tp_group)
+        sums[:, 1] = sharded
+    return {f"grad_norm/{name}": float(sums[i].sum()) ** 0.5 for i, name in enumerate(names)}

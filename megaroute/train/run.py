@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
+from ..parallel import ParallelLayout
 from .env import DistEnv, detect_env
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 
@@ -83,14 +84,15 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     from .loop import Trainer, TrainState
 
     # ---- checks that need no process group ----
-    dp_size = ds.data_parallel_size(cfg, env.world_size)
+    layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
+    dp_rank, dp_size = layout.dp_rank, layout.dp
     ds_config = ds.deepspeed_config(cfg, dp_size)
     check_data(cfg)
     init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
     # ---- process group, data, model, engine ----
     ds.init_distributed(env)
-    dp_rank = env.rank // cfg.parallel.tp
+    layout.init_process_groups()
     run_dir = cfg.run_dir
     if env.is_main:
         os.makedirs(run_dir, exist_ok=True)
@@ -106,7 +108,9 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     train_set, val_set, tokenizer = _datasets(cfg)
 
     _seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, cfg.routing)
+    # Every rank draws the full weights from the same seed and keeps its TP slice.
+    model = build_model(cfg.model, cfg.routing, tp_group=layout.tp_group,
+                        activation_checkpointing=cfg.parallel.activation_checkpointing)
     if init_path:
         _init_from(model, init_path, controller_only=cfg.train.controller_only)
     if cfg.train.controller_only:
@@ -120,9 +124,11 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     total_steps = _total_steps(cfg, tokens_per_step, fpt)
-    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps)
-    # Per-rank seeds after init so every rank builds the same model but draws its own randomness.
-    _seed_everything(cfg.train.seed + env.rank)
+    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps, layout)
+    # Per-DP-rank seeds after init: data-parallel replicas draw their own randomness, while the
+    # TP ranks of one replica share a stream, so replicated routing draws (random baselines,
+    # oracle-label sampling, rank-loss pairs) stay identical across them.
+    _seed_everything(cfg.train.seed + dp_rank)
 
     from ..data.loader import SequenceLoader
 
@@ -166,7 +172,8 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
         count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
-        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model)), probe_interval=cfg.train.log_interval,
+        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), layout.tp_group),
+        probe_interval=cfg.train.log_interval,
     )
     try:
         final = trainer.fit()
@@ -306,6 +313,7 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     """Loads model weights from a checkpoint (strict=False: a routed model has controller modules a
     dense checkpoint lacks). Every base parameter must be present: a silently random base would
     make controller-only training meaningless."""
+    from ..parallel import shard_full_state_dict
     from ..routing import is_controller_param
 
     state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
@@ -313,6 +321,11 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     if not weights:
         raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
                                                   "it with DeepSpeed's zero_to_fp32 first)")
+    try:  # a tensor-parallel model keeps its slice of each full (single-process) tensor
+        weights = shard_full_state_dict(model, weights)
+    except ValueError as e:
+        raise ConfigError("checkpoint.init_from", f"{path}: {e}; init_from needs a checkpoint saved with "
+                                                  "parallel.tp=1") from None
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected:
         raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")

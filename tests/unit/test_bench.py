@@ -38,3 +38,21 @@ def test_trainer_step_updates_parameters(small_shape):
     phases = trainer.step()
     assert set(phases) == set(step.PHASES) and all(t >= 0 for t in phases.values())
     assert not trainer.model.layers[1].router.weight.detach().equal(before)
+
+
+def test_parallel_benchmark_communication_estimate():
+    from megaroute.bench import parallel
+    from megaroute.config import RoutingConfig
+
+    shape = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=128, max_seq_len=32)
+    dense = parallel.comm_volume(shape, RoutingConfig(), tp=2, dp=2, micro_batch=2, seq_len=32)
+    # 2 layers x 4 all-reduces of [2, 32, 64] fp32 + embedding and LM-head input [2, 32, 64] + CE scalars.
+    assert dense.tp_activation_bytes == 4 * (2 * 4 * 2 * 32 * 64 + 2 * 2 * 32 * 64 + 3 * 2 * 32)
+    # Per rank: half of each sharded matrix (tied 256 x 64 embedding, 4 attention and 3 FFN blocks
+    # per layer), all of the norms.
+    sharded = 256 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128)
+    assert dense.dp_gradient_bytes == 4 * (sharded // 2 + 5 * 64)
+    mod = parallel.comm_volume(shape, RoutingConfig(method="mod", capacity=0.25), tp=2, dp=1, micro_batch=2,
+                               seq_len=32)
+    assert mod.tp_activation_bytes < dense.tp_activation_bytes and mod.dp_gradient_bytes == 0
+    assert parallel.comm_volume(shape, RoutingConfig(), tp=1, dp=2, micro_batch=2, seq_len=32).tp_collectives == 0

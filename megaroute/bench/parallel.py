@@ -1,0 +1,151 @@
+"""Tensor-parallel throughput and communication volume.
+
+    python -m megaroute.bench.parallel [--steps 5 --warmup 2 --batch 4 --seq-len 256 --method none --tp 2 --dp 1]
+
+1. Training-step tokens/s (forward + backward + AdamW) of the 6-layer/384 model at TP=1 (one
+   process, 1 and 2 threads) vs TP=2 (two gloo processes, 1 thread each) on the same batch. On
+   CPU this is only a sanity check: gloo all-reduces through TCP, and 2 shared cores bound
+   everything (2 OpenMP threads on a loaded 2-core machine can be slower than 1).
+2. Per-step communication estimated from the layout: the bytes each rank all-reduces for TP
+   activations (routing-aware: a MoD block communicates for its k selected tokens only) and for
+   DP gradients. "payload" is the tensor size handed to the collective; a ring all-reduce moves
+   2 (n - 1) / n of it per rank over the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig, RoutingConfig
+from ..routing.dispatch import capacity_k
+
+SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class CommVolume:
+    tp_activation_bytes: float  # per rank, per optimizer step
+    tp_collectives: int
+    dp_gradient_bytes: float
+    dp_gather_bytes: float  # ZeRO-3 parameter all-gathers (forward + backward)
+
+    @staticmethod
+    def ring(payload: float, n: int) -> float:
+        return 0.0 if n == 1 else payload * 2 * (n - 1) / n
+
+
+def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, micro_batch: int, seq_len: int,
+                accumulation: int = 1, zero_stage: int = 1, precision: str = "fp32") -> CommVolume:
+    """All-reduce payloads of one optimizer step for one rank (see the module docstring)."""
+    act = BYTES[precision]
+    d, B = model.d_model, micro_batch
+    tp_bytes, tp_ops = 0.0, 0
+    if tp > 1:
+        for layer in range(model.n_layers):
+            # Tokens a block's TP layers see: MoD-style capacity routing runs k tokens; gates that
+            # train both paths (depth gate, halting, early exit) run every token.
+            capacity_routed = routing.is_routed(layer) and routing.method in ("mod", "random", "stride", "first_k")
+            tokens = B * (capacity_k(seq_len, routing.capacity) if capacity_routed else seq_len)
+            # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
+            tp_bytes += 4 * tokens * d * act
+            tp_ops += 4
+        # Embedding forward and LM-head input grad, [B, T, d] each; vocab-parallel CE: max, then
+        # (target logit, sum of exp), fp32. Depth-gate oracle-label passes are not counted.
+        tp_bytes += 2 * B * seq_len * d * act + 3 * B * seq_len * 4
+        tp_ops += 4
+        tp_bytes *= accumulation
+        tp_ops *= accumulation
+    from ..inspect import param_counts
+    from ..model import build_model
+
+    # Attention, FFN, embedding and LM head are split over tp; routing controllers and norms are replicated.
+    local = param_counts(build_model(model, routing, device="meta"), tp)["per_tp_rank"]
+    dp_bytes = float(local * act) if dp > 1 else 0.0
+    gather = 2.0 * local * act if dp > 1 and zero_stage == 3 else 0.0
+    return CommVolume(tp_bytes, tp_ops, dp_bytes, gather)
+
+
+def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int, warmup: int,
+                 threads: int) -> float:
+    """Seconds per training step, measured on every rank between barriers."""
+    import torch.distributed as dist
+
+    from ..model import build_model
+
+    torch.set_num_threads(threads)
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    torch.manual_seed(0)
+    model = build_model(SHAPE, _routing(method), tp_group=group)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, SHAPE.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(data[:, :-1], data[:, 1:]).loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _routing(method: str) -> RoutingConfig:
+    return RoutingConfig() if method == "none" else RoutingConfig(method=method, capacity=0.125, every=2, offset=1)
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:8.2f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..parallel.testing import run_distributed
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--method", default="none", choices=["none", "mod", "depth_gate", "halting"])
+    p.add_argument("--tp", type=int, default=2, help="TP size for the communication estimate")
+    p.add_argument("--dp", type=int, default=1, help="DP size for the communication estimate")
+    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--precision", default="fp32", choices=sorted(BYTES))
+    p.add_argument("--skip-timing", action="store_true", help="only the communication estimate")
+    a = p.parse_args(argv)
+
+    routing = _routing(a.method)
+    tokens = a.batch * a.seq_len
+    print(f"model: d {SHAPE.d_model}, {SHAPE.n_layers} layers, {SHAPE.n_heads} heads, vocab {SHAPE.vocab_size}; "
+          f"routing {a.method}; batch {a.batch} x {a.seq_len} tokens")
+    if not a.skip_timing:
+        args = (a.method, a.batch, a.seq_len, a.steps, a.warmup)
+        env = {"OMP_NUM_THREADS": "1"}
+        # TP=1 with both thread counts: 2 threads is the fair core budget, 1 thread the per-core baseline.
+        t1 = {n: run_distributed(_train_steps, 1, *args, n, env=env)[0] for n in (1, 2)}
+        t2 = max(run_distributed(_train_steps, 2, *args, 1, env=env))
+        for n, t in t1.items():
+            label = f"TP=1 (1 process x {n} thread{'s' if n > 1 else ' '})"
+            print(f"{label}: {t * 1e3:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
+        print(f"TP=2 (2 processes x 1 thread): {t2 * 1e3:8.1f} ms/step  {tokens / t2:9.0f} tokens/s  "
+              f"(x{min(t1.values()) / t2:.2f} vs the faster TP=1)")
+    v = comm_volume(SHAPE, routing, a.tp, a.dp, a.batch, a.seq_len, zero_stage=a.zero_stage, precision=a.precision)
+    print(f"communication per optimizer step and rank (tp {a.tp} x dp {a.dp}, ZeRO-{a.zero_stage}, {a.precision}):")
+    print(f"  TP activations : payload {_fmt_bytes(v.tp_activation_bytes)} in {v.tp_collectives} all-reduces, "
+          f"ring traffic {_fmt_bytes(CommVolume.ring(v.tp_activation_bytes, a.tp))}")
+    print(f"  DP gradients   : payload {_fmt_bytes(v.dp_gradient_bytes)}, "
+          f"ring traffic {_fmt_bytes(CommVolume.ring(v.dp_gradient_bytes, a.dp))}")
+    if v.dp_gather_bytes:
+        print(f"  ZeRO-3 params  : all-gather payload {_fmt_bytes(v.dp_gather_bytes)} (forward + backward)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
