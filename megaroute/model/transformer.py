@@ -36,6 +36,8 @@ class ModelOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     # Per-layer routing statistics, e.g. "layer_3/selected_frac" (detached scalars).
     routing_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    # With record_decisions: each routed layer's executed-token mask [B, T] (megaroute audit).
+    decisions: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Transformer(nn.Module):
@@ -85,8 +87,12 @@ class Transformer(nn.Module):
         routing_mode: str = "topk",
         positions: Optional[torch.Tensor] = None,
         force: Optional[dict[str, str]] = None,
+        masks: Optional[dict[str, torch.Tensor]] = None,
+        record_decisions: bool = False,
     ) -> ModelOutput:
-        """`force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full") for analysis."""
+        """Analysis hooks: `force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full");
+        `masks` replaces routed layers' decisions ([B, T] bool, True = executes); `record_decisions`
+        returns each routed layer's decision in `ModelOutput.decisions`."""
         from ..routing import RoutingContext
 
         B, T = tokens.shape
@@ -95,7 +101,8 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         pos = Positions(self.rope, positions)
-        ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}))
+        ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}), masks=dict(masks or {}),
+                             record=record_decisions)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
         ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
@@ -113,7 +120,7 @@ class Transformer(nn.Module):
             executed = sum(ctx.exec_frac.values()) + (len(self.layers) - len(ctx.exec_frac))
             ctx.add_stat("tlops_frac", executed / len(self.layers))
 
-        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats)
+        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats, decisions=ctx.decisions)
         if targets is not None:
             out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
             aux = ctx.total_aux_loss()

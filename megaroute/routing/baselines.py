@@ -48,7 +48,7 @@ class CapacityBaselineLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         B, T, _ = x.shape
-        idx, valid = self.select(x, pos, ctx.causal)
+        idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
         selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)

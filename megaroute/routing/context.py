@@ -36,6 +36,11 @@ class RoutingContext:
     deferred: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
     # h -> logits through the model's final norm and LM head (early-exit consistency labels).
     readout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # Audit hooks (megaroute audit): with `record`, each routed layer's executed-token mask [B, T]
+    # lands in `decisions`; a mask in `masks` replaces that layer's own decision.
+    record: bool = False
+    decisions: dict[str, torch.Tensor] = field(default_factory=dict)
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
     # Token-layer operations: per layer, the fraction of tokens whose block ran in full.
     exec_frac: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -58,6 +63,25 @@ class RoutingContext:
     def add_exec(self, name: str, frac: torch.Tensor) -> None:
         """Records the fraction of tokens this layer's block executed (the model sums them into TLOps)."""
         self.exec_frac[name] = frac.detach().float()
+
+    def route_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """A layer's decision [B, T] (True = executes) after the audit hooks: override, then record."""
+        mask = self.masks.get(name, mask)
+        if self.record:
+            self.decisions[name] = mask.detach()
+        return mask
+
+    def route_indices(self, name: str, idx: torch.Tensor, valid: Optional[torch.Tensor],
+                      seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """route_mask for layers that select by indices (valid marks real rows of a ragged batch)."""
+        if not (self.record or name in self.masks):
+            return idx, valid
+        from .dispatch import mask_indices
+
+        mask = torch.zeros(idx.shape[0], seq_len, dtype=torch.bool, device=idx.device)
+        mask.scatter_(1, idx, True if valid is None else valid)
+        routed = self.route_mask(name, mask)
+        return (idx, valid) if routed is mask else mask_indices(routed)
 
     def forced_path(self, name: str) -> Optional[str]:
         return self.force.get(name, self.force.get("*"))

@@ -131,7 +131,7 @@ class DepthGateLayer(nn.Module):
         if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer
             return self._dispatch(h, u, torch.full(h.shape[:2], forced == "full", device=h.device))
         scores, forecasts = self.scorer(u)
-        full = self._decide(scores, ctx)
+        full = ctx.route_mask(name, self._decide(scores, ctx))
         ctx.add_stat(f"{name}/full_frac", full.float().mean())
         ctx.add_stat(f"{name}/score_mean", scores.mean())
         if not (self.training and torch.is_grad_enabled()):

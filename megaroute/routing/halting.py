@@ -47,7 +47,7 @@ class HaltingLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         p = self.halt(x)
-        runs = p >= self.tau
+        runs = ctx.route_mask(name, p >= self.tau)
         exec_frac = runs.float().mean()
         ctx.add_stat(f"{name}/p_mean", p.mean())
         ctx.add_stat(f"{name}/exec_frac", exec_frac)

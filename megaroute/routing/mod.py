@@ -70,6 +70,7 @@ class MoDLayer(nn.Module):
             self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
         else:
             idx, valid = dispatch.mask_indices(causal > 0)
+        idx, valid = ctx.route_indices(name, idx, valid, T)
         selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)

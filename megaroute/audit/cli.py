@@ -1,0 +1,54 @@
+"""megaroute audit <checkpoint> --data val [--reference <dense run>] [--experiment NAME] [--run-id ID]"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("audit", help="routing audit of a checkpoint: counterfactuals, correlations, strata, maps")
+    p.add_argument("checkpoint", help="run directory, checkpoints root, checkpoint tag directory or model-states file")
+    p.add_argument("--data", default="val", choices=["val", "train"], help="prepared split to evaluate on")
+    p.add_argument("--data-dir", help="prepared data directory (default: the run's data.output_dir)")
+    p.add_argument("--reference", help="dense baseline run/checkpoint: token entropy and dense loss come from it")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens to evaluate (whole sequences)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--bins", type=int, default=5, help="entropy quantile bins")
+    p.add_argument("--out", help="report directory (default: <run dir>/audit)")
+    p.add_argument("--experiment", help="MLflow experiment whose runs, grouped by variant and seed, give the "
+                                        "seed-variance section")
+    p.add_argument("--mlflow-uri", help="tracking URI (default: the run's tracking.uri or its local store)")
+    p.add_argument("--run-id", help="MLflow run to attach the report to as artifacts")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from ..config import ConfigError
+    from ..train.tracking import default_uri
+    from .report import audit_model, batches_for, find_config, load_run_model, log_to_mlflow, seed_report, write_report
+
+    if not os.path.exists(args.checkpoint):
+        raise ConfigError("", f"checkpoint path {args.checkpoint!r} does not exist")
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    model, cfg = load_run_model(args.checkpoint)
+    reference = load_run_model(args.reference)[0] if args.reference else None
+    batches, tokenizer = batches_for(cfg, args.data, args.tokens, args.batch_size, args.data_dir)
+    result = audit_model(model, cfg, batches, reference=reference, bins=args.bins, seed=args.seed)
+    uri = args.mlflow_uri or cfg.tracking.uri or default_uri(cfg.runs_dir)
+    if args.experiment:
+        result["seeds"] = seed_report(uri, args.experiment)
+    result["seconds"] = time.perf_counter() - start
+    out = args.out or os.path.join(os.path.dirname(find_config(args.checkpoint)), "audit")
+    paths = write_report(result, out, decode=tokenizer.decode)
+    if args.run_id:
+        log_to_mlflow(uri, args.run_id, paths)
+    losses = ", ".join(f"{k} {v:.4f}" for k, v in result["losses"].items())
+    print(f"audit of {args.checkpoint} ({result['tokens']:,} tokens, {result['seconds']:.1f} s): {losses}")
+    print(f"report: {os.path.join(out, 'audit.md')}", file=sys.stdout)
+    return 0
