@@ -2,7 +2,8 @@
 
 SentencePiece: transformers' Llama tokenizer built from the `.model` file reproduces SentencePiece's
 ids (no BOS added: megaroute never trains with one). Character tokenizer: a `tokenizers` WordLevel
-model over single characters (each character is its own pre-token; decoding concatenates).
+model over single characters (each character is its own pre-token; decoding concatenates), with
+newline as its BOS token (see _char).
 `export_tokenizer` checks the exported ids against megaroute's on a sample before returning.
 """
 
@@ -38,7 +39,11 @@ def _char(tok: CharTokenizer, out_dir: str):
     rust = RustTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
     rust.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, newlines too
     rust.decoder = decoders.Fuse()  # ids -> characters joined without separators
-    hf = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False)
+    # No special tokens exist, but evaluation harnesses need a token to condition an empty context on
+    # (lm-eval's prefix token = BOS, else EOS): newline, where documents of a char corpus begin. It is
+    # never added to encodings (no post-processor).
+    special = {"bos_token": "\n"} if "\n" in chars else {}
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False, **special)
     hf.save_pretrained(out_dir)
     return hf
 
