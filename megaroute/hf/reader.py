@@ -9,7 +9,9 @@ Files are opened with torch.load(mmap=True): a tensor's pages are read when it i
 converting one tensor at a time never holds a second copy of the checkpoint. ZeRO-3 weights are
 reassembled by DeepSpeed's own zero_to_fp32 (lazy mode: one parameter at a time, Adam moments never
 touched); it expects one model-parallel rank per directory, so each TP rank gets a view directory
-of symlinks. weights_only=False: DeepSpeed's files hold its own Python objects (trusted, local files).
+of symlinks. (This and the reference test script are the only imports of deepspeed outside
+train/engine.py: reassembling ZeRO-3 partitions is DeepSpeed's format, best read by its own code.)
+weights_only=False: DeepSpeed's files hold its own Python objects (trusted, local files).
 """
 
 from __future__ import annotations

@@ -162,6 +162,10 @@ def test_clear_errors(make_run, tmp_path, char_tok):
         _convert(str(stranger), tmp_path / "b", char_tok)
     with pytest.raises(ConversionError, match="no such file"):
         _convert(str(tmp_path / "nope"), tmp_path / "c", char_tok)
+    other = tmp_path / "other_tok.json"
+    other.write_bytes(CharTokenizer("abc").to_bytes())
+    with pytest.raises(ConversionError, match="was trained with tokenizer"):
+        convert(run, str(tmp_path / "g"), tokenizer=str(other), progress=False)
     # The config says TP=2, so a second shard is expected.
     cfg_path = os.path.join(run, "config.yaml")
     text = open(cfg_path).read()
