@@ -244,3 +244,17 @@ def test_peak_memory_within_bound(tmp_path, make_model, char_tok):
     print(f"model {fp32_bytes / 2**20:.0f} MiB fp32, peak RSS {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB")
     assert fp32_bytes > 250 * 2**20
     assert peak <= bound
+
+
+def test_convert_benchmark_runs_on_tiny_configs(tmp_path, capsys):
+    """Smoke test of python -m megaroute.bench.convert (figures are printed, not asserted)."""
+    from megaroute.bench import convert as bench
+
+    assert bench.main(["--dense", os.path.join(REPO, "configs/tiny.yaml"), "--mod", os.path.join(REPO, "configs/tiny_mod.yaml"),
+                       "--prompt-len", "8", "--new-tokens", "8", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("peak RSS") == 3 and "ok)" in out
+    assert "mod_calibrated / dense sampling speed" in out
+    # The calibrated causal predictor passes about the configured 12.5% of tokens.
+    frac = float(out.split("mod_calibrated")[-2].split("routed blocks ran ")[1].split("%")[0])
+    assert frac < 40
