@@ -108,7 +108,7 @@ def test_output_files_and_tokenizer(make_run, tmp_path, char_tok):
     config = AutoConfig.from_pretrained(out, trust_remote_code=True)
     assert config.auto_map["AutoModelForCausalLM"] == "modeling_megaroute.MegarouteForCausalLM"
     assert config.megaroute_model["d_model"] == cfg.model.d_model and config.megaroute_routing["method"] == "mod"
-    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(out)  # the plain call (transformers may ask about config.json's code)
     sample = "First Citizen:\nBefore we proceed any further, hear me speak."
     assert tok(sample)["input_ids"] == char_tok.encode(sample)
     assert tok.decode(char_tok.encode(sample)) == sample
