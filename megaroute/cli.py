@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "data": "megaroute.data.cli",
     "sweep": "megaroute.sweep.cli",
     "compare": "megaroute.sweep.compare",
+    "convert": "megaroute.hf.convert",
     "audit": "megaroute.audit.cli",
 }
 

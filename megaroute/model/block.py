@@ -12,6 +12,8 @@ repeats the same collectives in the same order on every rank.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,12 +36,15 @@ class TransformerBlock(nn.Module):
         self.checkpoint_activations = False
 
     def update(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+        if pos.kv is not None:  # incremental decoding: inference only, attention reads/writes the cache
+            return self._update(x, pos.cos, pos.sin, pos)
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
             return checkpoint(self._update, x, pos.cos, pos.sin, use_reentrant=False)
         return self._update(x, pos.cos, pos.sin)
 
-    def _update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), cos, sin)
+    def _update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pos: Optional[Positions] = None) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), cos, sin, pos)
         m = self.mlp(self.mlp_norm(x + a))
         return a + m
 

@@ -6,6 +6,8 @@ original position, so the tables are indexed by a [B, T] position tensor, never 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -49,13 +51,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Positions:
     """Original positions of the tokens a layer sees, with their rotary tables.
 
-    `select(indices)` follows a routed gather, so the gathered tokens keep their positions.
+    `select(indices, valid)` follows a routed gather, so the gathered tokens keep their positions.
+    In incremental decoding it also carries the layer's KV cache (`kv`) and which gathered rows are
+    real (`valid`, None = all): attention then appends the real rows' keys/values to that cache.
     """
 
-    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor):
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, kv=None,
+                 valid: Optional[torch.Tensor] = None):
         self.rope = rope
         self.positions = positions
+        self.kv = kv  # megaroute.model.cache.LayerKV or None
+        self.valid = valid
         self.cos, self.sin = rope(positions)
 
-    def select(self, indices: torch.Tensor) -> "Positions":
-        return Positions(self.rope, self.positions.gather(1, indices))
+    def select(self, indices: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "Positions":
+        return Positions(self.rope, self.positions.gather(1, indices), self.kv, valid)
+
+    def with_kv(self, kv) -> "Positions":
+        """The same tokens, attending through (and appending to) one layer's cache."""
+        out = Positions.__new__(Positions)
+        out.rope, out.positions, out.kv, out.valid, out.cos, out.sin = (self.rope, self.positions, kv, self.valid,
+                                                                       self.cos, self.sin)
+        return out

@@ -21,6 +21,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParallelEmbedding, gather_from_tp,
                         vocab_parallel_cross_entropy)
 from ..parallel.mappings import Group
+from .cache import KVCache
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
 
@@ -89,17 +90,25 @@ class Transformer(nn.Module):
         force: Optional[dict[str, str]] = None,
         masks: Optional[dict[str, torch.Tensor]] = None,
         record_decisions: bool = False,
+        cache: Optional[KVCache] = None,
     ) -> ModelOutput:
         """Analysis hooks: `force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full");
         `masks` replaces routed layers' decisions ([B, T] bool, True = executes); `record_decisions`
-        returns each routed layer's decision in `ModelOutput.decisions`."""
+        returns each routed layer's decision in `ModelOutput.decisions`.
+
+        `cache` (a KVCache from `new_cache()`) decodes incrementally: `tokens` continue the cached
+        sequence at position `cache.seen`, and each layer appends the keys/values of the tokens it ran.
+        """
         from ..routing import RoutingContext
 
         B, T = tokens.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        start = 0 if cache is None else cache.seen
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if cache is not None:
+            self._check_cacheable(routing_mode, targets)
         if positions is None:
-            positions = torch.arange(T, device=tokens.device).expand(B, T)
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         pos = Positions(self.rope, positions)
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}), masks=dict(masks or {}),
                              record=record_decisions)
@@ -108,7 +117,9 @@ class Transformer(nn.Module):
         ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, pos, ctx, f"layer_{i}")
+            x = layer(x, pos if cache is None else pos.with_kv(cache.layers[i]), ctx, f"layer_{i}")
+        if cache is not None:
+            cache.seen = start + T
         logits = self.lm_head(self.norm(x))
         if ctx.deferred:
             full_logits = self.gather_logits(logits)
@@ -126,6 +137,23 @@ class Transformer(nn.Module):
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers))
+
+    def _check_cacheable(self, routing_mode: str, targets: Optional[torch.Tensor]) -> None:
+        from ..routing import DenseLayer
+
+        routed = any(not isinstance(layer, DenseLayer) for layer in self.layers)
+        if routed and routing_mode == "topk":
+            # Top-k ranks a token against later ones: a prefix's decisions change as tokens arrive.
+            raise ValueError("cached decoding of a routed model needs routing_mode 'causal' or 'hard', not 'topk'")
+        for i, layer in enumerate(self.layers):
+            if not getattr(layer, "cacheable", True):
+                raise ValueError(f"layer_{i} ({type(layer).__name__}) cannot decode incrementally: its choice "
+                                 "depends on the length of each call; use the uncached forward")
+        if targets is not None or (self.training and torch.is_grad_enabled()):
+            raise ValueError("the KV cache is for inference: call under torch.no_grad() / model.eval(), without targets")
 
     @torch.no_grad()
     def _suffix_loss(self, start: int, x: torch.Tensor, pos: Positions, targets: torch.Tensor,

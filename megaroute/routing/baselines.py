@@ -33,6 +33,11 @@ class CapacityBaselineLayer(nn.Module):
         self.capacity = cfg.capacity
         self.stride = max(1, round(1 / cfg.capacity))
 
+    @property
+    def cacheable(self) -> bool:
+        """first_k picks positions < round(c * T) of the current call, so decoding step by step changes it."""
+        return self.method != "first_k"
+
     def select(self, x: torch.Tensor, pos: Positions, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (indices [B, k] ascending, valid [B, k] or None when every row is real)."""
         B, T, _ = x.shape

@@ -125,7 +125,7 @@ class DepthGateLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         blk = self.block
-        h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin)
+        h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos)
         u = blk.mlp_norm(h)
         forced = ctx.forced_path(name)
         if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer

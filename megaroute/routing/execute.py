@@ -24,7 +24,7 @@ def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, id
     """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
     if idx.shape[1] == 0:  # nobody in the batch runs this block
         return x
-    delta = block.update(dispatcher.gather(x, idx), pos.select(idx))
+    delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
     if weight is None:
         weight = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device)
     if valid is not None:

@@ -1,0 +1,214 @@
+"""`megaroute convert` / launcher/convert_checkpoint.py: a DeepSpeed checkpoint -> a Hugging Face model dir.
+
+    out/config.json                 MegarouteConfig + auto_map (trust_remote_code)
+    out/configuration_megaroute.py  out/modeling_megaroute.py   thin wrapper importing megaroute
+    out/model.safetensors           or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    out/generation_config.json      out/tokenizer*.json / tokenizer.model
+
+Order of work: every check that can fail cheaply (output exists, tag, shards, config, tokenizer)
+runs before any weight is read. Weights stream one tensor at a time (TP shards merged, ZeRO-3
+partitions reassembled) into output shards of at most `max_shard_bytes`, so peak memory is about
+the memory-mapped input plus one output shard. Everything is written into a temporary directory
+next to the output and renamed into place at the end: an interrupted conversion leaves no
+half-written model, and --force replaces an existing one only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from .adapter import StateDictAdapter
+from .reader import ConversionError, CheckpointSource, client_state, locate, materialize, rank_state_dicts
+
+HF_FILES = ("configuration_megaroute.py", "modeling_megaroute.py")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# One output shard is held in memory next to the memory-mapped input: peak ~ process baseline
+# (~0.5 GB with transformers imported) + model + min(model, shard), within 1.5x model + 1 GB at any size.
+DEFAULT_SHARD_BYTES = 1 << 29
+
+
+def _plan_shards(adapter: StateDictAdapter, dtype: Optional[torch.dtype], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key in adapter.keys():
+        n = adapter.nbytes(key, dtype)
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += n
+    return shards
+
+
+def _tokenizer(src: CheckpointSource, path: Optional[str]):
+    from ..data import DataError
+    from ..data.tokenizers import load_tokenizer
+
+    where = path or src.config.data.output_dir
+    try:
+        return load_tokenizer(where)
+    except DataError as e:
+        raise ConversionError(f"tokenizer of run {src.tag_dir}: {e} (pass --tokenizer <prepared data dir or "
+                              "tokenizer file>)") from None
+
+
+def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
+                   max_bytes: int, progress: bool) -> dict:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    ranks = rank_state_dicts(src)
+    for r, sd in enumerate(ranks):  # names are checked before any tensor is read
+        if adapter.tied and "embed.weight" in sd:
+            sd.setdefault("lm_head.weight", sd["embed.weight"])  # ZeRO-3 stores a tied tensor once
+        missing = [k for k in adapter.keys() if k not in sd]
+        unexpected = [k for k in sd if k not in adapter.shapes]
+        if missing or unexpected:
+            raise ConversionError(f"{src.tag_dir} (model-parallel rank {r}) does not match the run's config: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    plan = _plan_shards(adapter, dtype, max_bytes)
+    names = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    weight_map, total = {}, 0
+    bar = tqdm(total=len(adapter.keys()), desc=f"converting {src.tag}", unit="tensor", disable=not progress)
+    for name, keys in zip(names, plan):
+        tensors = {}
+        for key in keys:
+            try:
+                full = adapter.merge(key, [materialize(sd[key]) for sd in ranks], src.tag_dir)
+            except ValueError as e:
+                raise ConversionError(str(e)) from None
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            # A fresh, contiguous tensor: safetensors refuses shared storage (tied embedding/LM head).
+            tensors[adapter.to_hf_name(key)] = full.contiguous().clone()
+            total += full.numel() * full.element_size()
+            bar.update()
+        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        os.chmod(os.path.join(out, name), 0o644)  # safetensors creates files owner-only
+        weight_map.update({k: name for k in tensors})
+        del tensors
+    bar.close()
+    if len(plan) > 1:
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return weight_map
+
+
+def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str, dtype: torch.dtype) -> None:
+    from transformers import GenerationConfig
+
+    from .configuration_megaroute import MegarouteConfig
+
+    for f in HF_FILES:
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), f), os.path.join(out, f))
+    eos = tokenizer.eos_id
+    config = MegarouteConfig(
+        megaroute_model=dataclasses.asdict(src.config.model), megaroute_routing=dataclasses.asdict(src.config.routing),
+        routing_mode=routing_mode, architectures=["MegarouteForCausalLM"], eos_token_id=eos, pad_token_id=eos,
+        auto_map={"AutoConfig": "configuration_megaroute.MegarouteConfig",
+                  "AutoModelForCausalLM": "modeling_megaroute.MegarouteForCausalLM"},
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    config.megaroute_source = {"checkpoint": os.path.abspath(src.tag_dir), "run": src.config.name,
+                               "tokenizer_sha256": tokenizer.hash}
+    config.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(out)
+
+
+def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False, routing_mode: str = "causal",
+            dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> str:
+    """Converts one checkpoint; returns the output directory."""
+    from .configuration_megaroute import ROUTING_MODES
+    from .tokenizer import copy_tokenizer_source, export_tokenizer
+
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    if routing_mode not in ROUTING_MODES:
+        raise ConversionError(f"--routing-mode must be one of {ROUTING_MODES}, got {routing_mode!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    src = locate(path, tag, config)
+    tok = _tokenizer(src, tokenizer)
+    saved_hash = client_state(src).get("tokenizer_hash")
+    if saved_hash not in (None, tok.hash):
+        raise ConversionError(f"{src.tag_dir} was trained with tokenizer {saved_hash}, but {tok.path} is {tok.hash}")
+    adapter = StateDictAdapter(src.config.model, src.config.routing)
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        export_tokenizer(tok, tmp)
+        copy_tokenizer_source(tok, tmp)
+        out_dtype = DTYPES[dtype] if dtype else None
+        _write_weights(src, adapter, tmp, out_dtype, max_shard_bytes, progress)
+        first_float = next(t for t in adapter.dtypes.values() if t.is_floating_point)
+        written = out_dtype or (torch.float32 if src.zero3 else first_float)
+        _write_config(src, tmp, tok, routing_mode, written)
+        if os.path.exists(out):  # --force: swap, then delete the old copy
+            old = os.path.join(parent, f".{os.path.basename(out)}.old-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a checkpoint to a Hugging Face model directory",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run dir, checkpoints dir (uses `latest`) or checkpoint tag dir")
+    p.add_argument("output", help="Hugging Face model directory to create")
+    p.add_argument("--tag", help="checkpoint tag, e.g. step_00001000 (default: `latest`)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--routing-mode", default="causal", choices=["causal", "hard", "topk"],
+                   help="routing of routed layers in the HF model (default causal: no future information)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored; fp32 for ZeRO-3)")
+    p.add_argument("--tokenizer", help="prepared data dir or tokenizer file (default: the run's data.output_dir)")
+    p.add_argument("--config", help="the run's config.yaml (default: found above the checkpoint)")
+    p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GiB",
+                   help="split model.safetensors above this size (default 0.5)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    try:
+        out = convert(args.checkpoint, args.output, args.tag, force=args.force, routing_mode=args.routing_mode,
+                      dtype=args.dtype, tokenizer=args.tokenizer, config=args.config,
+                      max_shard_bytes=int(args.max_shard_size * 2**30), progress=not args.no_progress)
+    except ConversionError as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} in {time.time() - t0:.1f}s", flush=True)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="convert_checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,101 @@
+"""Hugging Face wrapper around megaroute's own Transformer (shipped next to converted weights).
+
+The wrapper holds a `megaroute.model.Transformer` and calls its forward, so a converted model
+computes exactly what megaroute computes: the evaluation environment needs `pip install megaroute`
+(this file contains no model code of its own). Parameter names are megaroute's, under "model.".
+
+Generation: `past_key_values` is a MegarouteCache around megaroute's routing-aware KV cache (a
+token that a routed layer skips writes no keys/values there). Cached decoding needs a causal
+routing mode; the config's default ("causal") is one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_megaroute import MegarouteConfig
+
+
+def megaroute_sections(config: MegarouteConfig):
+    """(ModelConfig, RoutingConfig) validated by megaroute's own config system."""
+    from megaroute.config import config_from_dict
+
+    model = {**config.megaroute_model, "dtype": "float32"}  # HF's dtype argument casts afterwards
+    full = config_from_dict({"model": model, "routing": config.megaroute_routing,
+                             # Placeholders so the full config validates: only model/routing are used.
+                             "data": {"tokenizer": {"kind": "char"}, "seq_len": model.get("max_seq_len", 1)}})
+    return full.model, full.routing
+
+
+class MegarouteCache:
+    """past_key_values for generate(): megaroute's KVCache plus the methods generate() calls."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv.seen
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.kv.reorder(beam_idx)
+
+    def __len__(self) -> int:
+        return len(self.kv.layers)
+
+
+class MegaroutePreTrainedModel(PreTrainedModel):
+    config_class = MegarouteConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TransformerBlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        # Weights come from the checkpoint; only derived tables (rotary cos/sin, never saved) need
+        # building, e.g. after HF constructed the model on the meta device.
+        from megaroute.model.rope import RotaryEmbedding
+
+        if isinstance(module, RotaryEmbedding):
+            module.cos, module.sin = module._tables(module.cos.device if module.cos.device.type != "meta" else "cpu")
+
+
+class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
+    def __init__(self, config: MegarouteConfig):
+        super().__init__(config)
+        from megaroute.model import build_model
+
+        model_cfg, routing_cfg = megaroute_sections(config)
+        self.model = build_model(model_cfg, routing_cfg)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # our forward creates its own routing-aware cache
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[MegarouteCache] = None,
+                use_cache: Optional[bool] = None, labels: Optional[torch.LongTensor] = None,
+                return_dict: Optional[bool] = None, routing_mode: Optional[str] = None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            # megaroute has no padding mask; padded tokens would be attended to (and routed).
+            raise ValueError("megaroute models do not support padded batches (attention_mask has zeros); "
+                             "evaluate unpadded sequences, e.g. with batch size 1")
+        if past_key_values is None and use_cache and not self.training:
+            past_key_values = MegarouteCache(self.model.new_cache())
+        out = self.model(input_ids, routing_mode=routing_mode or self.config.routing_mode, positions=position_ids,
+                         cache=past_key_values.kv if past_key_values is not None else None)
+        logits = self.model.gather_logits(out.logits)
+        loss = None
+        if labels is not None:  # HF convention: labels aligned with input_ids, shifted here
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)

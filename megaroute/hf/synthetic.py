@@ -1,0 +1,31 @@
+"""A checkpoint-shaped run directory without training (benchmarks and tests of the converter).
+
+Writes what a TP=1, ZeRO 0-2 run writes for its weights: config.yaml, checkpoints/<tag>/
+mp_rank_00_model_states.pt ({"module": state_dict, client state}), manifest.json and `latest`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import Config, save_config
+from ..train.checkpoint import LATEST, _atomic_write, tag_for, write_manifest
+
+
+def write_checkpoint(model: torch.nn.Module, cfg: Config, run_dir: str, tokenizer_hash: str | None = None,
+                     step: int = 0) -> str:
+    """Saves `model` (built from cfg) as run_dir's checkpoint at `step`; returns the tag directory."""
+    if cfg.parallel.tp != 1:
+        raise ValueError("write_checkpoint writes single-rank (parallel.tp=1) checkpoints")
+    tag = tag_for(step)
+    tag_dir = os.path.join(run_dir, cfg.checkpoint.dir, tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    state = {"module": model.state_dict(), "tokenizer_hash": tokenizer_hash, "mp_world_size": 1,
+             "dp_world_size": 1, "global_steps": step}
+    torch.save(state, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    write_manifest(tag_dir, step)
+    _atomic_write(os.path.join(run_dir, cfg.checkpoint.dir, LATEST), tag)
+    return tag_dir
