@@ -9,7 +9,8 @@ import time
 
 def add_parser(sub) -> None:
     p = sub.add_parser("audit", help="routing audit of a checkpoint: counterfactuals, correlations, strata, maps")
-    p.add_argument("checkpoint", help="run directory, checkpoints root, checkpoint tag directory or model-states file")
+    p.add_argument("checkpoint", help="run directory, checkpoints root, checkpoint tag directory, model-states "
+                                      "file, or a converted Hugging Face directory (then --data-dir is needed)")
     p.add_argument("--data", default="val", choices=["val", "train"], help="prepared split to evaluate on")
     p.add_argument("--data-dir", help="prepared data directory (default: the run's data.output_dir)")
     p.add_argument("--reference", help="dense baseline run/checkpoint: token entropy and dense loss come from it")
@@ -30,10 +31,16 @@ def run(args) -> int:
 
     from ..config import ConfigError
     from ..train.tracking import default_uri
-    from .report import audit_model, batches_for, find_config, load_run_model, log_to_mlflow, seed_report, write_report
+    from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
+                         write_report)
 
     if not os.path.exists(args.checkpoint):
         raise ConfigError("", f"checkpoint path {args.checkpoint!r} does not exist")
+    hf = is_hf_dir(args.checkpoint)
+    if hf and not args.data_dir:
+        raise ConfigError("", "a Hugging Face directory carries no data config: pass --data-dir <prepared data dir>")
+    if hf and (args.experiment or args.run_id) and not args.mlflow_uri:
+        raise ConfigError("", "with a Hugging Face directory, --experiment and --run-id need --mlflow-uri")
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     model, cfg = load_run_model(args.checkpoint)
@@ -41,10 +48,11 @@ def run(args) -> int:
     batches, tokenizer = batches_for(cfg, args.data, args.tokens, args.batch_size, args.data_dir)
     result = audit_model(model, cfg, batches, reference=reference, bins=args.bins, seed=args.seed)
     uri = args.mlflow_uri or cfg.tracking.uri or default_uri(cfg.runs_dir)
+    run_dir = args.checkpoint if hf else os.path.dirname(find_config(args.checkpoint))
     if args.experiment:
         result["seeds"] = seed_report(uri, args.experiment)
     result["seconds"] = time.perf_counter() - start
-    out = args.out or os.path.join(os.path.dirname(find_config(args.checkpoint)), "audit")
+    out = args.out or os.path.join(run_dir, "audit")
     paths = write_report(result, out, decode=tokenizer.decode)
     if args.run_id:
         log_to_mlflow(uri, args.run_id, paths)

@@ -36,11 +36,38 @@ def find_config(path: str) -> str:
     raise ConfigError("", f"{path}: no run config.yaml found next to or above it (not a megaroute run?)")
 
 
+def is_hf_dir(path: str) -> bool:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "megaroute"
+
+
+def load_hf_model(path: str, device: str = "cpu"):
+    """-> (megaroute model, Config holding its model/routing sections) from a converted HF directory.
+    The config's data section is a placeholder: the caller names the prepared data directory."""
+    from transformers import AutoModelForCausalLM
+
+    from ..config import Config
+
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+    from ..hf.modeling_megaroute import megaroute_sections
+
+    model_cfg, routing_cfg = megaroute_sections(hf.config)
+    cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
+    cfg.data.seq_len = model_cfg.max_seq_len
+    return hf.model.to(device).eval(), cfg
+
+
 def load_run_model(path: str, device: str = "cpu"):
-    """-> (model in eval mode, its Config) from a run or checkpoint path (tensor-parallel degree 1)."""
+    """-> (model in eval mode, its Config) from a run or checkpoint path (tensor-parallel degree 1)
+    or a converted Hugging Face directory."""
     from ..model import build_model
     from ..train.run import resolve_init_from
 
+    if is_hf_dir(path):
+        return load_hf_model(path, device)
     cfg = load_config(find_config(path))
     if cfg.parallel.tp > 1:
         raise ConfigError("parallel.tp", f"{path} was trained with tp={cfg.parallel.tp}: convert it to a single "
