@@ -41,6 +41,24 @@ def _torch_threads():
 
 
 @pytest.fixture(autouse=True)
+def _isolate_process_state():
+    """Each test starts from the same environment and without a process group.
+
+    An in-process run that leaks RANK/MASTER_PORT or a live group makes later libraries (accelerate
+    inside lm-eval) try a rendezvous that never completes.
+    """
+    saved = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _skip_cuda_without_device(request):
     if request.node.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -5,7 +5,7 @@
 
 1. Writes a checkpoint-shaped run directory for each config (random init, no training), converts it
    in a subprocess (launcher/convert_checkpoint.py) and reports wall time and the converter's peak RSS
-   (the kernel's ru_maxrss) against the bound 1.5x fp32 size + 1 GB.
+   (the kernel's VmHWM of the converter process) against the bound 1.5x fp32 size + 1 GB.
 2. Loads both converted models with AutoModelForCausalLM and times greedy generate() with the KV
    cache, batch 1: tokens/s of MoD vs dense, with the fraction of tokens MoD's causal router sent
    through its routed blocks (with random weights a router's sign is a coin flip: about 50%, not the
@@ -26,6 +26,16 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM).
+
+    Not ru_maxrss: Linux carries the forked parent's high-water mark across exec into it, so a
+    converter started from a large process (a test session) would report the parent's size.
+    """
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def make_run(config: str, workdir: str, tokenizer_path: str, tokenizer_hash: str,
@@ -64,8 +74,8 @@ def calibrate_predictors(model, capacity: float, vocab: int, tokens: int = 512) 
 
 
 def convert_timed(run: str, out: str, tokenizer: str) -> tuple[float, int]:
-    script = ("import resource, sys; from megaroute.hf.convert import main; rc = main(sys.argv[1:]); "
-              "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(rc)")
+    script = ("import sys; from megaroute.hf.convert import main; from megaroute.bench.convert import peak_rss_bytes; "
+              "rc = main(sys.argv[1:]); print('PEAK', peak_rss_bytes()); sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", script, run, out, "--tokenizer", tokenizer, "--no-progress"],

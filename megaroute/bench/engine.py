@@ -19,7 +19,7 @@ import torch
 
 from ..config import load_config
 from ..model import build_model
-from ..train.env import detect_env
+from ..train.env import detect_env, release
 
 SHAPES = {
     "tiny": ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "model.max_seq_len=128",
@@ -102,14 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     from ..train.engine import init_distributed
 
     init_distributed(env)
-    print(f"{'model':<6} {'tokens/step':>11} {'plain step':>11} {'engine step':>12} {'overhead':>9}")
-    rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models.split(",")]
-    for r in rows:
-        print(f"{r['shape']:<6} {r['tokens']:>11} {r['plain_s'] * 1e3:>9.1f}ms {r['engine_s'] * 1e3:>10.1f}ms "
-              f"{100 * r['overhead']:>8.1f}%  {'OK' if r['overhead'] < 0.10 else 'ABOVE 10% TARGET'}")
-    log = bench_logging(rows[0]["engine_s"])
-    print(f"MLflow logging: {log['log_s'] * 1e6:.0f} us per step = {100 * log['fraction']:.2f}% of the "
-          f"{rows[0]['shape']} step ({'OK' if log['fraction'] < 0.05 else 'ABOVE 5% TARGET'})")
+    try:
+        print(f"{'model':<6} {'tokens/step':>11} {'plain step':>11} {'engine step':>12} {'overhead':>9}")
+        rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models.split(",")]
+        for r in rows:
+            print(f"{r['shape']:<6} {r['tokens']:>11} {r['plain_s'] * 1e3:>9.1f}ms {r['engine_s'] * 1e3:>10.1f}ms "
+                  f"{100 * r['overhead']:>8.1f}%  {'OK' if r['overhead'] < 0.10 else 'ABOVE 10% TARGET'}")
+        log = bench_logging(rows[0]["engine_s"])
+        print(f"MLflow logging: {log['log_s'] * 1e6:.0f} us per step = {100 * log['fraction']:.2f}% of the "
+              f"{rows[0]['shape']} step ({'OK' if log['fraction'] < 0.05 else 'ABOVE 5% TARGET'})")
+    finally:
+        release(env)
     return 0
 
 

@@ -18,6 +18,9 @@ class DistEnv:
     local_rank: int
     backend: str  # "nccl" on GPUs, "gloo" on CPU
     device: str
+    # Variables detect_env() set itself (single process): release() removes them again, so an
+    # in-process run leaves no RANK/MASTER_PORT behind for the next library that looks (accelerate).
+    added_env: tuple[str, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -41,17 +44,31 @@ def detect_env() -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    added = []
     if world == 1:
         # A single process still needs a (trivial) process group for DeepSpeed.
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in defaults.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                added.append(key)
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+            added.append("MASTER_PORT")
     if _cuda_available():
-        return DistEnv(rank, world, local_rank, "nccl", f"cuda:{local_rank}")
+        return DistEnv(rank, world, local_rank, "nccl", f"cuda:{local_rank}", tuple(added))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return DistEnv(rank, world, local_rank, "gloo", "cpu")
+    return DistEnv(rank, world, local_rank, "gloo", "cpu", tuple(added))
+
+
+def release(env: DistEnv) -> None:
+    """Ends an in-process run: destroys the process group and removes the variables detect_env added."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in env.added_env:
+        os.environ.pop(key, None)
 
 
 def _env_from_srun() -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
 from ..parallel import ParallelLayout
-from .env import DistEnv, detect_env
+from .env import DistEnv, detect_env, release
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -338,6 +338,7 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    env = None
     try:
         cfg = load_config(args.config, args.overrides)
         env = detect_env()
@@ -354,5 +355,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         traceback.print_exc()
         return 1
     finally:
-        if dist.is_available() and dist.is_initialized():
+        if env is not None:
+            release(env)
+        elif dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

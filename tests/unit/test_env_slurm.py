@@ -47,3 +47,14 @@ def test_srun_without_rendezvous_names_the_missing_variables(slurm_env):
 def test_tasks_per_node_expands_slurm_compression():
     assert E._tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert E._tasks_per_node("8") == [8]
+
+
+def test_release_removes_what_a_single_process_added(slurm_env, monkeypatch):
+    import os
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")  # the user's own setting survives
+    env = E.detect_env()
+    assert set(env.added_env) == {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"}
+    E.release(env)
+    assert not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+    assert os.environ["MASTER_ADDR"] == "10.0.0.9"
