@@ -20,7 +20,6 @@ ranks of one data-parallel group pass the same dp_rank and get identical batches
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 from typing import Iterator, Optional
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from . import INDEX_FILE, INDEX_VERSION, DataError
+from ..hashing import sha256_file
 
 _SUPPORTED_DTYPES = ("uint16", "uint32")
 
@@ -104,7 +104,7 @@ class PackedDataset:
         path = os.path.join(self.output_dir, self.index["tokenizer"]["file"])
         if not os.path.isfile(path):
             raise DataError(f"{path}: tokenizer file listed in {self.index_path} is missing")
-        if _sha256_file(path) != self.tokenizer_hash:
+        if sha256_file(path) != self.tokenizer_hash:
             raise DataError(f"{path}: sha256 differs from tokenizer.sha256 in {self.index_path}")
 
     def _check_shard(self, path: str, shard: dict, verify: str) -> None:
@@ -118,7 +118,7 @@ class PackedDataset:
                 f"x {self.dtype.itemsize} bytes = {expected}"
             )
         if verify == "full":
-            if _sha256_file(path) != shard["sha256"]:
+            if sha256_file(path) != shard["sha256"]:
                 raise DataError(f"{path}: sha256 checksum differs from {self.index_path} (corrupt shard)")
             top = int(np.memmap(path, dtype=self.dtype, mode="r").max())
             if top >= self.vocab_size:
@@ -303,11 +303,3 @@ def _read_index(path: str) -> dict:
     if index["version"] != INDEX_VERSION:
         raise DataError(f"{path}: index format version {index['version']}, this megaroute reads {INDEX_VERSION}")
     return index
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -11,7 +11,6 @@ sha256); a corrupt or incomplete checkpoint is reported and the previous good on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -24,6 +23,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ..hashing import sha256_file
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -66,14 +67,6 @@ def _atomic_write(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(tag_dir: str) -> list[str]:
     out = []
     for dirpath, _, names in os.walk(tag_dir):
@@ -85,7 +78,7 @@ def _files(tag_dir: str) -> list[str]:
 
 
 def write_manifest(tag_dir: str, step: int) -> dict:
-    files = {rel: {"size": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": _sha256(os.path.join(tag_dir, rel))}
+    files = {rel: {"size": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": sha256_file(os.path.join(tag_dir, rel))}
              for rel in _files(tag_dir)}
     manifest = {"tag": os.path.basename(tag_dir), "step": step, "created": time.time(), "files": files}
     _atomic_write(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
@@ -112,7 +105,7 @@ def verify(tag_dir: str) -> list[str]:
             problems.append(f"{full}: missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full}: size {os.path.getsize(full)} != manifest {size} (truncated?)")
-        elif _sha256(full) != sha:
+        elif sha256_file(full) != sha:
             problems.append(f"{full}: sha256 mismatch (corrupted)")
     return problems
 

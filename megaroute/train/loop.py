@@ -32,6 +32,12 @@ class Callback:
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
 
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value, weight: float, device) -> None:
+    """sums[key] += weight * value, kept as a float64 tensor on `device` (no host sync)."""
+    v = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, dtype=torch.float64, device=device)
+    sums[key] = sums[key] + weight * v if key in sums else weight * v
+
+
 def _all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -82,25 +88,28 @@ class Trainer:
 
     def train_step(self) -> tuple[dict[str, float], bool]:
         start = time.perf_counter()
-        lm_loss, local_bad = 0.0, False
-        aux: dict[str, float] = {}
-        stats: dict[str, float] = {}
+        # Losses and routing stats stay on the device until the step's last micro-batch: one host
+        # copy per step instead of a device sync per stat per micro-batch.
+        sums: dict[str, torch.Tensor] = {}
+        bad = torch.zeros((), dtype=torch.bool, device=self.engine.device)
         probed: dict[str, float] = {}
         step = self.state.step + 1
         probe_now = self.grad_probe is not None and (step % self.probe_interval == 0 or step in (1, self.total_steps))
         for micro in range(self.accumulation):
             inputs, targets = next(self.batches)
             out = self.engine(inputs.to(self.engine.device), targets.to(self.engine.device))
-            finite = bool(torch.isfinite(out.loss))
-            local_bad |= not finite
-            lm_loss += float(out.lm_loss.detach()) / self.accumulation
+            bad |= ~torch.isfinite(out.loss.detach())
+            _accumulate(sums, "lm_loss", out.lm_loss, 1 / self.accumulation, self.engine.device)
             for k, v in out.aux_losses.items():
-                aux[k] = aux.get(k, 0.0) + float(v.detach()) / self.accumulation
+                _accumulate(sums, f"aux/{k}", v, 1 / self.accumulation, self.engine.device)
             for k, v in out.routing_stats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) / self.accumulation
+                _accumulate(sums, f"routing/{k}", v, 1 / self.accumulation, self.engine.device)
             if micro == self.accumulation - 1:
+                local = dict(zip(["bad", *sums], torch.stack([bad.double(), *sums.values()]).tolist()))
+                local_bad = local.pop("bad") > 0
+                lm_loss = local.pop("lm_loss")
                 # One collective per step: mean loss, "any rank non-finite", "any rank asked to stop".
-                loss_sum, n_bad, n_stop = _all_reduce_sum([lm_loss if finite else 0.0, float(local_bad),
+                loss_sum, n_bad, n_stop = _all_reduce_sum([0.0 if local_bad else lm_loss, float(local_bad),
                                                            float(self.stop_signal.requested)])
                 if hasattr(self.optimizer, "nonfinite_loss"):
                     self.optimizer.nonfinite_loss = n_bad > 0
@@ -129,8 +138,7 @@ class Trainer:
             "train/tokens_seen": float(s.tokens_seen),
             "train/flops_seen": s.flops_seen,
             "perf/step_time_s": time.perf_counter() - start,
-            **{f"aux/{k}": v for k, v in aux.items()},
-            **{f"routing/{k}": v for k, v in stats.items()},
+            **local,  # aux/* and routing/*, this rank's micro-batch means
             **probed,
         }
         return metrics, n_stop > 0
