@@ -82,17 +82,29 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.lm_head
 
+    def _check_padding(self, mask: torch.Tensor, mode: str, cached: bool) -> None:
+        """megaroute has no padding mask. Right padding is still exact where every decision is causal:
+        real tokens neither attend to the later pads nor are routed by them. Anything else is refused."""
+        right = torch.arange(mask.shape[1], device=mask.device) < mask.sum(1, keepdim=True)
+        causal = mode != "topk" and all(getattr(layer, "cacheable", True) for layer in self.model.layers)
+        if torch.equal(mask.bool(), right) and causal and not cached:
+            return
+        why = ("left or inner padding" if not torch.equal(mask.bool(), right) else
+               "padding with a KV cache" if cached else
+               f"routing that sees later tokens or the padded length (mode {mode!r}, method {self.config.megaroute_routing.get('method')!r})")
+        raise ValueError(f"megaroute models have no padding mask; {why} would change the result. Use right padding "
+                         "without a cache in causal or hard routing mode, or unpadded sequences (batch size 1)")
+
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[MegarouteCache] = None,
                 use_cache: Optional[bool] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, routing_mode: Optional[str] = None, **kwargs):
+        mode = routing_mode or self.config.routing_mode
         if attention_mask is not None and not bool(attention_mask.all()):
-            # megaroute has no padding mask; padded tokens would be attended to (and routed).
-            raise ValueError("megaroute models do not support padded batches (attention_mask has zeros); "
-                             "evaluate unpadded sequences, e.g. with batch size 1")
+            self._check_padding(attention_mask, mode, cached=past_key_values is not None or bool(use_cache))
         if past_key_values is None and use_cache and not self.training:
             past_key_values = MegarouteCache(self.model.new_cache())
-        out = self.model(input_ids, routing_mode=routing_mode or self.config.routing_mode, positions=position_ids,
+        out = self.model(input_ids, routing_mode=mode, positions=position_ids,
                          cache=past_key_values.kv if past_key_values is not None else None)
         logits = self.model.gather_logits(out.logits)
         loss = None

@@ -38,9 +38,17 @@ class TransformerBlock(nn.Module):
     def update(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
         if pos.kv is not None:  # incremental decoding: inference only, attention reads/writes the cache
             return self._update(x, pos.cos, pos.sin, pos)
+        return self.recomputed(self._update, x, pos.cos, pos.sin)
+
+    def recomputed(self, fn, *args):
+        """fn(*args), recomputed in backward when this block checkpoints activations (training only).
+
+        Routed layers that split the block's math (the depth gate's attention and its two FFN
+        paths) wrap their pieces with it, so the router between them still runs once.
+        """
         if self.checkpoint_activations and self.training and torch.is_grad_enabled():
-            return checkpoint(self._update, x, pos.cos, pos.sin, use_reentrant=False)
-        return self._update(x, pos.cos, pos.sin)
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def _update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos: Optional[Positions] = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ..model.block import TransformerBlock
 from ..model.rope import Positions
 from .baselines import CapacityBaselineLayer
 from .context import RoutingContext
-from .depth_gate import DepthGateLayer
+from .depth_gate import DepthGateLayer, average_causal_thresholds
 from .early_exit import EarlyExitLayer
 from .halting import HaltingLayer
 from .mod import MoDLayer
@@ -76,6 +76,6 @@ def freeze_base(model: nn.Module) -> list[str]:
     return trainable
 
 
-__all__ = ["CONTROLLER_MODULES", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
+__all__ = ["CONTROLLER_MODULES", "average_causal_thresholds", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
            "HaltingLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext", "build_layer", "freeze_base",
            "is_controller_param"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -125,7 +126,10 @@ class DepthGateLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         blk = self.block
-        h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos)
+        if pos.kv is not None:  # incremental decoding
+            h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos)
+        else:
+            h = x + blk.recomputed(lambda x, cos, sin: blk.attn(blk.attn_norm(x), cos, sin), x, pos.cos, pos.sin)
         u = blk.mlp_norm(h)
         forced = ctx.forced_path(name)
         if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer
@@ -137,7 +141,7 @@ class DepthGateLayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self._dispatch(h, u, full)
 
-        full_update, cheap_update = blk.mlp(u), self.cheap(u)
+        full_update, cheap_update = blk.recomputed(lambda u: (blk.mlp(u), self.cheap(u)), u)
         soft = torch.sigmoid(scores)
         # Parenthesized so the forward value is exactly 0 or 1: (soft - soft) is exactly 0.
         w = (full.to(soft.dtype) + (soft - soft.detach())).unsqueeze(-1)
@@ -197,3 +201,22 @@ class DepthGateLayer(nn.Module):
         loss_full = ctx.run_suffix(name, outcome_full.detach(), force)
         loss_cheap = ctx.run_suffix(name, outcome_cheap.detach(), force)
         return (loss_cheap - loss_full).float()
+
+
+@torch.no_grad()
+def average_causal_thresholds(model: nn.Module, group=None) -> None:
+    """Averages every depth gate's causal threshold over `group` (the data-parallel group).
+
+    Each rank updates its running cut from its own batches, so DP ranks drift apart. The update
+    is linear, so averaging after every optimizer step keeps every rank on the running cut of the
+    global batch: evaluation decides alike on all ranks and a checkpoint holds that consensus.
+    Hidden states are replicated across TP ranks, so their thresholds already agree.
+    """
+    layers = [m for m in model.modules() if isinstance(m, DepthGateLayer)]
+    if not layers or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    values = torch.stack([layer.causal_threshold.float() for layer in layers])
+    dist.all_reduce(values, group=group)  # SUM then divide: gloo has no AVG
+    values /= dist.get_world_size(group)
+    for layer, v in zip(layers, values):
+        layer.causal_threshold.copy_(v)

@@ -38,6 +38,19 @@ class SpeedMeter(Callback):
         metrics["perf/eta_s"] = step_time * (trainer.total_steps - trainer.state.step)
 
 
+class RoutingStateSync(Callback):
+    """Averages per-rank routing state (depth gates' causal thresholds) over the data-parallel
+    group after each step; registered first, so evaluation and checkpoints see the synced values."""
+
+    def __init__(self, model, dp_group):
+        from ..routing import average_causal_thresholds
+
+        self.model, self.group, self.sync = model, dp_group, average_causal_thresholds
+
+    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+        self.sync(self.model, self.group)
+
+
 class ProgressPrinter(Callback):
     """Rank-0 progress line: step, loss, tokens/s, MFU, ETA."""
 

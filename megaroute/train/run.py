@@ -79,7 +79,8 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     from ..flops import flops_per_token
     from ..model import build_model
     from . import engine as ds
-    from .callbacks import LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, SpeedMeter
+    from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter,
+                            RoutingStateSync, SpeedMeter)
     from .checkpoint import CheckpointManager
     from .loop import Trainer, TrainState
 
@@ -160,6 +161,8 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     stop = StopSignal().install()
     tracker = _make_tracker(cfg, env, resumed_run_id, tokenizer) if env.is_main else None
     callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary]
+    if cfg.routing.method == "depth_gate" and dp_size > 1:
+        callbacks.insert(0, RoutingStateSync(model, layout.get_data_parallel_group()))
     if env.is_main:
         callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(run_dir, "metrics.jsonl"))]
     callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))

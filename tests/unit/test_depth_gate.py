@@ -267,3 +267,52 @@ def test_oracle_layers_labels_a_random_subset_per_step(make_model):
     tokens = tokens_for(cfg, 1, 8)
     counts = [sum(k.endswith("/utility") for k in model(tokens, tokens).aux_losses) for _ in range(40)]
     assert 0.5 < sum(counts) / len(counts) < 1.6 and max(counts) <= 4
+
+
+def _thresholds_after_sync(rank: int, world_size: int, overrides: tuple[str, ...]):
+    from megaroute.config import load_config
+    from megaroute.model import build_model
+    from megaroute.routing import average_causal_thresholds
+
+    cfg = load_config(None, list(overrides))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.routing, device="cpu")
+    model(tokens_for(cfg, 2, 16, seed=rank))  # a training forward on this rank's own batch
+    before = torch.stack([layer.causal_threshold.clone() for layer in gated_layers(model)])
+    average_causal_thresholds(model)
+    return before, torch.stack([layer.causal_threshold.clone() for layer in gated_layers(model)])
+
+
+def test_causal_thresholds_are_averaged_over_data_parallel_ranks():
+    from megaroute.parallel.testing import run_distributed
+
+    overrides = ("model.vocab_size=97", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                 "model.max_seq_len=64", "data.seq_len=32", "data.tokenizer.vocab_size=97", "tracking.enabled=false",
+                 *G1, "routing.depth_gate.threshold_momentum=0.0")
+    (before0, after0), (before1, after1) = run_distributed(_thresholds_after_sync, 2, overrides)
+    assert not torch.equal(before0, before1)  # different batches, different running cuts
+    assert torch.equal(after0, after1)
+    torch.testing.assert_close(after0, (before0 + before1) / 2)
+
+
+@pytest.mark.parametrize("gate", [G1, G3])
+def test_activation_checkpointing_recomputes_the_paths_not_the_router(make_config, gate):
+    from megaroute.model import build_model
+
+    cfg = make_config(*gate, *ORACLE)
+    tokens, targets = tokens_for(cfg, 2, 16, seed=1), tokens_for(cfg, 2, 16, seed=2)
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, cfg.routing, activation_checkpointing=ckpt)
+        torch.manual_seed(7)
+        out = model(tokens, targets)
+        out.loss.backward()
+        runs.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                     [int(layer.threshold_updates) for layer in gated_layers(model)]))
+    (loss0, grads0, updates0), (loss1, grads1, updates1) = runs
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], atol=1e-6, rtol=1e-5)
+    assert updates0 == updates1 == [1] * len(updates0)  # the router ran once per block, not again in backward

@@ -85,6 +85,24 @@ def test_topk_mode_is_selectable(make_run, tmp_path, char_tok):
     assert not torch.allclose(hf(x).logits, model(x, routing_mode="causal").logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["mod", "depth_gate"])
+@torch.no_grad()
+def test_right_padded_batch_equals_unpadded_sequences(make_run, tmp_path, char_tok, method):
+    run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    a, b = torch.randint(0, 60, (1, 30)), torch.randint(0, 60, (1, 18))
+    batch = torch.cat([a, torch.nn.functional.pad(b, (0, 12))])
+    mask = torch.ones_like(batch)
+    mask[1, 18:] = 0
+    logits = hf(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1, :18], hf(b).logits[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="left or inner padding"):
+        hf(batch, attention_mask=mask.flip(1))
+    with pytest.raises(ValueError, match="routing that sees later tokens.*'topk'"):
+        hf(batch, attention_mask=mask, routing_mode="topk")
+
+
 @pytest.mark.parametrize("method", ["none", "mod"])
 @torch.no_grad()
 def test_generate_with_cache_equals_without(make_run, tmp_path, char_tok, method):
@@ -220,7 +238,7 @@ def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
         """))
     results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True",
                                       tasks=["megaroute_tiny"], task_manager=TaskManager(include_path=str(tasks)),
-                                      batch_size=1, device="cpu")
+                                      batch_size=2, device="cpu")  # lm-eval pads on the right
     metrics = results["results"]["megaroute_tiny"]
     assert 0.0 <= metrics["acc,none"] <= 1.0
     assert all(v == v for k, v in metrics.items() if isinstance(v, float))  # finite, no NaN

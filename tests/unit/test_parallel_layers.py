@@ -147,7 +147,7 @@ def _model_checks(rank: int, world: int) -> dict:
     tokens = torch.randint(0, 128, (2, 32), generator=g)
     targets = torch.randint(0, 128, (2, 32), generator=g)
     results = {}
-    for method, ckpt in [(m, False) for m in METHODS] + [("mod", True)]:
+    for method, ckpt in [(m, False) for m in METHODS] + [("mod", True), ("depth_gate", True)]:
         cfg = load_config(None, [*TINY, f"routing.method={method}", "routing.capacity=0.25",
                                  "routing.depth_gate.rank_weight=0.1"])
         torch.manual_seed(0)
@@ -201,8 +201,8 @@ def model_results():
     return run_distributed(_model_checks, 2)
 
 
-@pytest.mark.parametrize("method,ckpt", [(m, False) for m in METHODS] + [("mod", True)],
-                         ids=[*METHODS, "mod-activation-checkpointing"])
+@pytest.mark.parametrize("method,ckpt", [(m, False) for m in METHODS] + [("mod", True), ("depth_gate", True)],
+                         ids=[*METHODS, "mod-activation-checkpointing", "depth_gate-activation-checkpointing"])
 def test_tp2_model_matches_single_process(model_results, method, ckpt):
     for rank, res in enumerate(r[(method, ckpt)] for r in model_results):
         assert res["init"] == 0.0, f"rank {rank}: TP=2 does not start from the TP=1 weights"
