@@ -37,3 +37,19 @@ def test_audit_cli_on_trained_runs(launch, tmp_path, char_data):
     bad = subprocess.run([sys.executable, "-m", "megaroute.cli", "audit", str(runs / "dense")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "routing.method" in bad.stderr
+
+    # The same checkpoint converted to Hugging Face format audits to the same losses.
+    hf = tmp_path / "hf"
+    conv = subprocess.run([sys.executable, "-m", "megaroute.cli", "convert", str(runs / "mod"), str(hf), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    no_data = subprocess.run([sys.executable, "-m", "megaroute.cli", "audit", str(hf)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert no_data.returncode == 2 and "--data-dir" in no_data.stderr
+    proc = subprocess.run([sys.executable, "-m", "megaroute.cli", "audit", str(hf), "--data-dir", str(char_data),
+                           "--tokens", "2048", "--out", str(tmp_path / "report_hf")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_hf = json.loads((tmp_path / "report_hf" / "audit.json").read_text())
+    for name in ("learned", "random", "stride", "inverted", "causal"):
+        assert abs(from_hf["losses"][name] - result["losses"][name]) < 1e-5, name
