@@ -82,30 +82,46 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.lm_head
 
-    def _check_padding(self, mask: torch.Tensor, mode: str, cached: bool) -> None:
-        """megaroute has no padding mask. Right padding is still exact where every decision is causal:
-        real tokens neither attend to the later pads nor are routed by them. Anything else is refused."""
-        right = torch.arange(mask.shape[1], device=mask.device) < mask.sum(1, keepdim=True)
+    def _padding(self, mask: torch.Tensor, mode: str, cached: bool) -> str:
+        """"right" or "left" when this padding is exact; raises otherwise.
+
+        There is no padding mask in megaroute's uncached forward, but right padding is exact there
+        when every decision is causal: real tokens neither attend to later pads nor are routed by
+        them. Left padding runs through the cached path, whose attention masks pads out as keys.
+        """
+        lengths = mask.sum(1, keepdim=True)
+        idx = torch.arange(mask.shape[1], device=mask.device)
         causal = mode != "topk" and all(getattr(layer, "cacheable", True) for layer in self.model.layers)
-        if torch.equal(mask.bool(), right) and causal and not cached:
-            return
-        why = ("left or inner padding" if not torch.equal(mask.bool(), right) else
-               "padding with a KV cache" if cached else
-               f"routing that sees later tokens or the padded length (mode {mode!r}, method {self.config.megaroute_routing.get('method')!r})")
-        raise ValueError(f"megaroute models have no padding mask; {why} would change the result. Use right padding "
-                         "without a cache in causal or hard routing mode, or unpadded sequences (batch size 1)")
+        if not causal:
+            raise ValueError("megaroute models have no padding mask for routing that sees later tokens or the "
+                             f"padded length (mode {mode!r}, method {self.config.megaroute_routing.get('method')!r}); "
+                             "use unpadded sequences (batch size 1)")
+        if torch.equal(mask.bool(), idx < lengths) and not cached:
+            return "right"
+        if torch.equal(mask.bool(), idx >= mask.shape[1] - lengths):
+            return "left"
+        raise ValueError("megaroute models support left padding, or right padding without a KV cache; "
+                         "this attention_mask has inner padding or right padding with a cache")
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[MegarouteCache] = None,
                 use_cache: Optional[bool] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, routing_mode: Optional[str] = None, **kwargs):
         mode = routing_mode or self.config.routing_mode
-        if attention_mask is not None and not bool(attention_mask.all()):
-            self._check_padding(attention_mask, mode, cached=past_key_values is not None or bool(use_cache))
+        key_mask, cache = None, None
         if past_key_values is None and use_cache and not self.training:
             past_key_values = MegarouteCache(self.model.new_cache())
-        out = self.model(input_ids, routing_mode=mode, positions=position_ids,
-                         cache=past_key_values.kv if past_key_values is not None else None)
+        if past_key_values is not None:
+            cache = past_key_values.kv
+        if attention_mask is not None and not bool(attention_mask.all()):
+            if self._padding(attention_mask, mode, cached=cache is not None) == "left":
+                T = input_ids.shape[1]
+                key_mask = attention_mask[:, -T:].bool()
+                if position_ids is None:  # real tokens count from 0, as without padding
+                    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+                if cache is None:  # a throwaway cache: the cached path is the one that masks keys
+                    cache = self.model.new_cache()
+        out = self.model(input_ids, routing_mode=mode, positions=position_ids, cache=cache, key_mask=key_mask)
         logits = self.model.gather_logits(out.logits)
         loss = None
         if labels is not None:  # HF convention: labels aligned with input_ids, shifted here

@@ -37,9 +37,14 @@ class LayerKV:
             self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
             self.positions = torch.cat([self.positions, positions], dim=1)
             self.valid = torch.cat([self.valid, valid], dim=1)
-        # Causal by original position, and padded rows of a ragged selection are never keys.
-        visible = self.positions.unsqueeze(1) <= positions.unsqueeze(2)
-        return (visible & self.valid.unsqueeze(1)).unsqueeze(1)
+        # Causal by original position; padded rows (of a ragged selection, or padding tokens) are never
+        # keys. Every row still sees its own key, so a padding query with no visible key gets a finite
+        # output instead of NaN (which, as a later layer's value, would poison real rows: 0 * NaN).
+        visible = (self.positions.unsqueeze(1) <= positions.unsqueeze(2)) & self.valid.unsqueeze(1)
+        S, T = self.positions.shape[1], positions.shape[1]
+        own = torch.arange(S - T, S, device=positions.device)
+        visible[:, torch.arange(T, device=positions.device), own] = True
+        return visible.unsqueeze(1)
 
     def reorder(self, index: torch.Tensor) -> None:
         if self.k is not None:

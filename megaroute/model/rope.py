@@ -65,6 +65,9 @@ class Positions:
         self.cos, self.sin = rope(positions)
 
     def select(self, indices: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "Positions":
+        if self.valid is not None:  # padding tokens stay non-keys after a routed gather
+            picked = self.valid.gather(1, indices)
+            valid = picked if valid is None else valid & picked
         return Positions(self.rope, self.positions.gather(1, indices), self.kv, valid)
 
     def with_kv(self, kv) -> "Positions":

@@ -91,6 +91,7 @@ class Transformer(nn.Module):
         masks: Optional[dict[str, torch.Tensor]] = None,
         record_decisions: bool = False,
         cache: Optional[KVCache] = None,
+        key_mask: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
         """Analysis hooks: `force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full");
         `masks` replaces routed layers' decisions ([B, T] bool, True = executes); `record_decisions`
@@ -98,6 +99,7 @@ class Transformer(nn.Module):
 
         `cache` (a KVCache from `new_cache()`) decodes incrementally: `tokens` continue the cached
         sequence at position `cache.seen`, and each layer appends the keys/values of the tokens it ran.
+        `key_mask` ([B, T] bool, with a cache) marks padding (False): those tokens never become keys.
         """
         from ..routing import RoutingContext
 
@@ -109,7 +111,9 @@ class Transformer(nn.Module):
             self._check_cacheable(routing_mode, targets)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        pos = Positions(self.rope, positions)
+        if key_mask is not None and cache is None:
+            raise ValueError("key_mask (padding) needs the cached path: pass cache=model.new_cache()")
+        pos = Positions(self.rope, positions, valid=key_mask)
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}), masks=dict(masks or {}),
                              record=record_decisions)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".

@@ -97,10 +97,31 @@ def test_right_padded_batch_equals_unpadded_sequences(make_run, tmp_path, char_t
     logits = hf(batch, attention_mask=mask).logits
     torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[1, :18], hf(b).logits[0], atol=1e-5, rtol=0)
-    with pytest.raises(ValueError, match="left or inner padding"):
-        hf(batch, attention_mask=mask.flip(1))
+    inner = torch.ones_like(batch)
+    inner[1, 5] = 0
+    with pytest.raises(ValueError, match="inner padding"):
+        hf(batch, attention_mask=inner)
     with pytest.raises(ValueError, match="routing that sees later tokens.*'topk'"):
         hf(batch, attention_mask=mask, routing_mode="topk")
+
+
+@pytest.mark.parametrize("method", ["none", "mod", "depth_gate", "halting"])
+@torch.no_grad()
+def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path, char_tok, method):
+    run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", "routing.every=1", "routing.offset=0", seed=5)
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    a, b = torch.randint(1, 60, (1, 14)), torch.randint(1, 60, (1, 6))
+    batch = torch.cat([a, torch.nn.functional.pad(b, (8, 0))])  # b left-padded with 8 pad tokens (id 0)
+    mask = torch.ones_like(batch)
+    mask[1, :8] = 0
+    # One padded forward (the cached path masks the pads) gives each sequence's own logits.
+    logits = hf(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1, 8:], hf(b).logits[0], atol=1e-5, rtol=0)
+    together = hf.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for row, seq in ((0, a), (1, b)):
+        alone = hf.generate(seq, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert together[row, -12:].tolist() == alone[0, -12:].tolist(), row
 
 
 @pytest.mark.parametrize("method", ["none", "mod"])
