@@ -24,11 +24,14 @@ def _check_float(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
-def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Validated index tensor, made contiguous: the kernels read indices by flat offset, and an
+    index is small next to the activations (B*k int64), so a copy costs nothing measurable."""
     if t.dtype != torch.int64:
         raise TypeError(f"{name} must be int64, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    return t.contiguous()
 
 
 def _check_device(**tensors: torch.Tensor) -> None:
@@ -100,7 +103,7 @@ class _Unpermute(torch.autograd.Function):
 
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     _check_float("x", x, 3)
-    _check_index("idx", idx, (x.shape[0], idx.shape[1] if idx.dim() == 2 else -1))
+    idx = _check_index("idx", idx, (x.shape[0], idx.shape[1] if idx.dim() == 2 else -1))
     _check_device(x=x, idx=idx)
     if idx.shape[1] > x.shape[1]:
         raise ValueError(f"idx selects {idx.shape[1]} tokens from a sequence of {x.shape[1]}")
@@ -117,7 +120,7 @@ def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Te
         raise ValueError(f"delta must have shape (B, k, D) = ({B}, k, {D}), got {tuple(delta.shape)}")
     if K > T:
         raise ValueError(f"delta has {K} rows but the sequence has only {T} tokens")
-    _check_index("idx", idx, (B, K))
+    idx = _check_index("idx", idx, (B, K))
     if g.shape != (B, K):
         raise ValueError(f"g must have shape {(B, K)}, got {tuple(g.shape)}")
     _check_device(x=x, idx=idx, g=g, delta=delta)
@@ -126,7 +129,7 @@ def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Te
 
 def permute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     _check_float("x", x, 3)
-    _check_index("slot", slot, tuple(x.shape[:2]))
+    slot = _check_index("slot", slot, tuple(x.shape[:2]))
     _check_device(x=x, slot=slot)
     return _Permute.apply(x, slot)
 
@@ -138,7 +141,7 @@ def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torc
     _check_float("y_full", y_full, 2)
     _check_float("y_cheap", y_cheap, 2)
     B, T, D = h.shape
-    _check_index("slot", slot, (B, T))
+    slot = _check_index("slot", slot, (B, T))
     if w.shape != (B, T):
         raise ValueError(f"w must have shape {(B, T)}, got {tuple(w.shape)}")
     for name, y in (("y_full", y_full), ("y_cheap", y_cheap)):

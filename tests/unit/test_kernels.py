@@ -128,7 +128,8 @@ def test_permute_unpermute_match_reference(ops, B, T, D, frac, dtype):
 
 
 def test_strided_inputs_need_no_copy(ops):
-    """Views strided over B, T and even D (a transposed batch, every other feature) give the same result."""
+    """Views strided over B, T and even D (a transposed batch, every other feature), and strided index
+    tensors, give the same result."""
     gen = torch.Generator().manual_seed(0)
     B, T, D, k = 3, 6, 5, 2
     x = _rand(T, B, 2 * D, gen=gen).transpose(0, 1)[..., ::2]
@@ -142,6 +143,13 @@ def test_strided_inputs_need_no_copy(ops):
     _assert_parity(ops.permute, ref.permute, (x, slot))
     y = _rand(D, B * T, gen=gen).t()
     _assert_parity(ops.unpermute, ref.unpermute, (x, slot, g.new_ones(B, T), y[:n_full], y[n_full:]))
+    # Index tensors strided too (same values, transposed storage).
+    slot_t, idx_t = slot.t().contiguous().t(), idx.t().contiguous().t()
+    assert not (slot_t.is_contiguous() or idx_t.is_contiguous())
+    _assert_parity(ops.unpermute, ref.unpermute, (x, slot_t, g.new_ones(B, T), y[:n_full], y[n_full:]))
+    _assert_parity(ops.permute, ref.permute, (x, slot_t))
+    _assert_parity(ops.combine, ref.combine, (x, idx_t, g, delta))
+    _assert_parity(ops.gather, ref.gather, (x, idx_t))
 
 
 def test_path_slots_put_full_tokens_first_in_order():
