@@ -99,7 +99,7 @@ def test_gradients_reach_scorer_and_cheap_path_from_the_lm_loss_alone(make_model
     tokens = tokens_for(cfg, 2, 16)
     out = model(tokens, tokens)
     out.lm_loss.backward()  # no auxiliary loss: the straight-through weight alone trains the gate
-    for layer in gated_layers(model)[:-1]:
+    for layer in gated_layers(model):
         for name, p in layer.scorer.named_parameters():
             if name == "forecast.1.bias":  # cancels in z_full - z_cheap; only the alignment trains it
                 continue
