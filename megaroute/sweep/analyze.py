@@ -121,10 +121,12 @@ def write_csv(path: str, fits: Sequence[OptimumFit]) -> None:
         w.writerows(rows)
 
 
-def markdown(sweep: str, fits: Sequence[OptimumFit], fronts: Sequence[Frontier], skipped: Sequence[str]) -> str:
+def markdown(sweep: str, fits: Sequence[OptimumFit], fronts: Sequence[Frontier], skipped: Sequence[str],
+             loss: str = "val/loss") -> str:
     rows = table_rows(fits)
     head = ["variant", "budget (FLOPs)", "N* (params)", "N* 90% CI", "L* (val loss)", "L* 90% CI", "fit", "runs"]
-    lines = [f"# isoFLOP analysis: {sweep}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"# isoFLOP analysis: {sweep}", "", f"Loss: final {loss} of each run.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
     if fronts:
         lines += ["", "## Compute-optimal frontier N*(C) = k C^a", "", "| variant | a | k |", "|---|---|---|"]

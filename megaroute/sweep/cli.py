@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     submit.add_argument("--max-parallel", type=int, default=None, help="array throttle (%%N)")
     analyze = spec_parser("analyze", "fit isoFLOP curves from the sweep's MLflow runs; table + plots", run_analyze)
     analyze.add_argument("--out", default=None, help="output directory (default: <runs_dir>/analysis)")
+    analyze.add_argument("--metric", choices=("causal", "topk"), default="causal",
+                         help="causal (default): val/loss_causal where a routed method logs it, else val/loss "
+                              "(no future information); topk: val/loss as routed in training (sequence-wide top-k)")
 
 
 def _load(args):
@@ -130,7 +133,7 @@ def run_analyze(args) -> int:
     spec, points = _load(args)
     uri, experiment, default_out = _tracking(points)
     out = args.out or default_out
-    files = report.analyze_sweep(uri, experiment, spec.name, out)
+    files = report.analyze_sweep(uri, experiment, spec.name, out, args.metric)
     for f in files:
         print(f)
     return 0

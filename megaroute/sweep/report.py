@@ -6,15 +6,18 @@ import math
 import os
 
 from . import analyze as A
-from .tracking import log_artifacts, sweep_runs
+from .tracking import CAUSAL_LOSS, TOPK_LOSS, log_artifacts, sweep_runs
 
 
-def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str) -> list[str]:
-    parent, runs = sweep_runs(uri, experiment, sweep)
+def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: str = "causal") -> list[str]:
+    """metric "causal": each run's honest autoregressive loss (val/loss_causal where the method logs
+    one, else val/loss); "topk": val/loss, routed by sequence-wide top-k as in training."""
+    keys = {"causal": CAUSAL_LOSS, "topk": TOPK_LOSS}[metric]
+    parent, runs = sweep_runs(uri, experiment, sweep, keys)
     rows, skipped = [], []
     for r in sorted(runs, key=lambda r: r.name):
         if r.status != "FINISHED" or r.val_loss is None or not math.isfinite(r.val_loss):
-            skipped.append(f"{r.name} ({r.run_id}): status {r.status}, final val/loss {r.val_loss}")
+            skipped.append(f"{r.name} ({r.run_id}): status {r.status}, final {' or '.join(keys)} {r.val_loss}")
             continue
         rows.append((r.variant, r.budget, r.n_params, r.seed, r.val_loss))
     if not rows:
@@ -26,7 +29,7 @@ def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str) -> list[s
     files = {name: os.path.join(out_dir, name)
              for name in ("isoflop_table.md", "isoflop_table.csv", "isoflop_curves.png", "isoflop_frontier.png")}
     with open(files["isoflop_table.md"], "w") as f:
-        f.write(A.markdown(sweep, fits, fronts, skipped))
+        f.write(A.markdown(sweep, fits, fronts, skipped, loss=" or ".join(keys)))
     A.write_csv(files["isoflop_table.csv"], fits)
     A.plot_isoflops(files["isoflop_curves.png"], rows, fits)
     A.plot_frontier(files["isoflop_frontier.png"], fits, fronts)

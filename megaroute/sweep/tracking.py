@@ -81,8 +81,17 @@ class RunResult:
     val_loss: Optional[float]
 
 
-def sweep_runs(uri: str, experiment: str, sweep: str) -> tuple[Optional[str], list[RunResult]]:
-    """(parent run id, point runs) of one sweep. The final val/loss is the last one logged."""
+# Validation metrics in order of preference per run for `sweep analyze --metric causal`: routed
+# methods whose val/loss routes by sequence-wide top-k (it sees future tokens) also log the causal
+# decision mode as val/loss_causal; dense and halting (soft mode is causal) have val/loss only.
+CAUSAL_LOSS = ("val/loss_causal", "val/loss")
+TOPK_LOSS = ("val/loss",)
+
+
+def sweep_runs(uri: str, experiment: str, sweep: str,
+               metrics: tuple[str, ...] = CAUSAL_LOSS) -> tuple[Optional[str], list[RunResult]]:
+    """(parent run id, point runs) of one sweep. Each run's loss is the last logged value of the first
+    of `metrics` it has."""
     client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -102,7 +111,8 @@ def sweep_runs(uri: str, experiment: str, sweep: str) -> tuple[Optional[str], li
         if t.get(TAG_ROLE) == ROLE_PARENT:
             continue
         results.append(RunResult(r.info.run_id, r.info.run_name, t["variant"], t["size"], float(t["budget"]),
-                                 int(t["seed"]), int(t["n_params"]), r.info.status, r.data.metrics.get("val/loss")))
+                                 int(t["seed"]), int(t["n_params"]), r.info.status,
+                                 next((r.data.metrics[m] for m in metrics if m in r.data.metrics), None)))
     return parent, results
 
 

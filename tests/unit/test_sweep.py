@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import shlex
 from pathlib import Path
 
@@ -155,7 +156,10 @@ def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsy
     for p in points:
         run = client.create_run(exp, run_name=p.run_name, tags={**load_config(p.config_path, p.overrides).tracking.tags,
                                                                  "mlflow.parentRunId": parent})
-        client.log_metric(run.info.run_id, "val/loss", 3.0 - 0.1 * (p.size == "d64") - 0.05 * (p.variant == "mod"))
+        loss = 3.0 - 0.1 * (p.size == "d64") - 0.05 * (p.variant == "mod")
+        client.log_metric(run.info.run_id, "val/loss", loss)
+        if p.variant == "mod":  # routed runs also log their causal-decision loss
+            client.log_metric(run.info.run_id, "val/loss_causal", loss + 0.2)
         client.set_terminated(run.info.run_id, "FINISHED" if p.index != 7 else "FAILED")
 
     assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "out")]) == 0
@@ -165,6 +169,19 @@ def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsy
     assert (tmp_path / "out/isoflop_curves.png").read_bytes()[:4] == b"\x89PNG"
     logged = {a.path for a in client.list_artifacts(parent, "analysis")}
     assert "analysis/isoflop_frontier.png" in logged and "analysis/isoflop_table.csv" in logged
+
+    # Default: the causal (no future information) loss where a run has one; --metric topk: val/loss.
+    assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "topk"),
+                 "--metric", "topk"]) == 0
+    assert "Loss: final val/loss_causal or val/loss" in table
+    assert "Loss: final val/loss of" in (tmp_path / "topk/isoflop_table.md").read_text()
+
+    def optimum(out, variant):
+        rows = list(csv.DictReader(open(tmp_path / out / "isoflop_table.csv")))
+        return [float(r["loss_opt"]) for r in rows if r["variant"] == variant]
+
+    assert optimum("out", "mod") == pytest.approx([x + 0.2 for x in optimum("topk", "mod")])
+    assert optimum("out", "dense") == optimum("topk", "dense")
 
     capsys.readouterr()
     assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "--metric", "val/loss",
