@@ -39,8 +39,18 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
 * Early exit: every block on every token (an upper bound at inference, as for halting), a
   confidence head (2*d) per token at each routed block; training adds, per routed block, the
   LM-head readout of its hidden state for the consistency label (no_grad).
-* Training = 3 x (forward + train_extra) + no_grad. Controller-only training (frozen base) is
-  counted the same way: the proxy compares recipes under one convention, it is not a profile.
+* Training = 3 x (forward + train_extra) + no_grad: the default for every recipe, including
+  controller-only ones (`train.controller_only`), so recipes compare under one convention (the
+  published ~1.53x / ~1.07x depth-gate ratios) and MFU stays model FLOPs.
+* Executed frozen-base training (`frozen_base=True`, depth gate only): the backward autograd
+  actually runs when `routing.freeze_base` leaves only the controller (scorer, cheap FFN)
+  trainable. A matmul's backward is its input gradient (1 x forward; 2 x for the attention
+  scores, both of whose operands need it) when its input needs grad, plus its weight gradient
+  (1 x) when its weight trains. So: nothing upstream of the first gated block; there, only the
+  controller (its first matmuls read a no-grad hidden state: weight gradient only); downstream,
+  frozen matmuls (LM head included) 1 x, attention scores 2 x, the controller 2 x.
+  No-grad passes are unchanged. Activation recomputation skips checkpointed pieces that need no
+  grad (everything before the first gated block and its attention).
 """
 
 from __future__ import annotations
@@ -55,10 +65,10 @@ from .routing.dispatch import capacity_k
 BACKWARD_FACTOR = 2  # backward = grad w.r.t. inputs + grad w.r.t. weights = 2 x forward
 
 COMPONENTS = ("embedding", "attn_proj", "attn_scores", "mlp", "cheap", "router", "predictor", "gate", "lm_head")
-# Components inside the transformer layers: what full activation checkpointing recomputes.
-LAYER_COMPONENTS = ("attn_proj", "attn_scores", "mlp", "cheap", "router", "predictor", "gate")
 # Forward-only training work (no backward): oracle-label passes, frozen heads, exit labels.
 NO_GRAD_COMPONENTS = ("oracle", "target_head", "exit_labels")
+# What routing.freeze_base leaves trainable in a depth gate: its scorer (the "gate") and cheap FFN.
+CONTROLLER_COMPONENTS = ("cheap", "gate")
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,8 @@ class FlopsBreakdown:
     train_extra: dict[str, int] = field(default_factory=dict)
     # Training-only forward FLOPs without backward (keys: NO_GRAD_COMPONENTS).
     no_grad: dict[str, int] = field(default_factory=dict)
+    # Executed backward FLOPs by component under frozen-base training; None: 2 x train_forward.
+    frozen_backward: Optional[dict[str, int]] = None
 
     @property
     def forward(self) -> int:
@@ -88,6 +100,8 @@ class FlopsBreakdown:
 
     @property
     def backward(self) -> int:
+        if self.frozen_backward is not None:
+            return sum(self.frozen_backward.values())
         return BACKWARD_FACTOR * self.train_forward
 
     @property
@@ -117,6 +131,7 @@ class FlopsBreakdown:
             "train_extra": dict(self.train_extra),
             "no_grad": dict(self.no_grad),
             "tokens_per_layer": list(self.tokens_per_layer),
+            **({} if self.frozen_backward is None else {"frozen_backward": dict(self.frozen_backward)}),
         }
 
 
@@ -140,8 +155,9 @@ def _capacity_tokens(routing: RoutingConfig, T: int) -> int:
     return capacity_k(T, routing.capacity)
 
 
-def _depth_gate_layer(T: int, d: int, ffn: int, routing: RoutingConfig) -> tuple[dict, dict, dict]:
-    """(inference forward, training-only with grad, training-only no-grad) of one gated block."""
+def _depth_gate_layer(T: int, d: int, ffn: int, routing: RoutingConfig) -> tuple[dict, dict, dict, dict]:
+    """(inference forward, training-only with grad, training-only no-grad, controller input matmuls)
+    of one gated block. The last: the controller's first matmuls, which read the block's hidden state."""
     g = routing.depth_gate
     k = capacity_k(T, g.budget)
     attn = _block_flops(T, d, ffn)
@@ -157,7 +173,23 @@ def _depth_gate_layer(T: int, d: int, ffn: int, routing: RoutingConfig) -> tuple
                "cheap": (T - k) * cheap_per_token, "gate": gate}
     train_extra = {"mlp": (T - k) * full_per_token, "cheap": k * cheap_per_token}
     no_grad = {"target_head": 2 * T * 2 * d * z} if g.gate == "jepa" else {}
-    return forward, train_extra, no_grad
+    inputs = {"cheap": T * 2 * d * g.cheap_hidden * (1 if g.cheap == "low_rank" else 2), "gate": T * 2 * d * h}
+    return forward, train_extra, no_grad, inputs
+
+
+def _frozen_backward(layer: dict[str, int], grad_in: bool, inputs: dict[str, int]) -> dict[str, int]:
+    """Backward FLOPs autograd runs for one layer's training forward `layer` when only the controller
+    trains. grad_in: the layer's input needs grad (a controller upstream); otherwise only matmuls
+    after the controller's input ones (`inputs`) compute input gradients."""
+    bwd = {}
+    for name, f in layer.items():
+        trains = name in CONTROLLER_COMPONENTS
+        if grad_in:
+            input_grad = BACKWARD_FACTOR * f if name == "attn_scores" else f
+        else:
+            input_grad = f - inputs[name] if trains else 0
+        bwd[name] = input_grad + (f if trains else 0)
+    return bwd
 
 
 def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forward: list[int]) -> int:
@@ -185,18 +217,29 @@ def estimate_flops(
     routing: RoutingConfig,
     seq_len: int,
     activation_checkpointing: bool = False,
+    frozen_base: bool = False,
 ) -> FlopsBreakdown:
-    """Forward/training FLOPs of one sequence for a model + routing config."""
+    """Forward/training FLOPs of one sequence for a model + routing config.
+
+    frozen_base: count the backward autograd executes under controller-only training
+    (`FlopsBreakdown.frozen_backward`) instead of 2 x forward; depth gate only.
+    """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     T, d, ffn, method = seq_len, model.d_model, model.ffn_hidden, routing.method
+    if frozen_base and method != "depth_gate":
+        raise NotImplementedError(f"executed frozen-base FLOPs are modelled for depth_gate only, not {method!r}")
     comp = dict.fromkeys(COMPONENTS, 0)
     train_extra: dict[str, int] = {}
     no_grad = dict.fromkeys(NO_GRAD_COMPONENTS, 0)
-    tokens, layer_forward = [], []
+    frozen_bwd = dict.fromkeys(COMPONENTS, 0) if frozen_base else None
+    grad_in = not frozen_base  # does the current layer's input need grad?
+    tokens, layer_forward, recompute = [], [], 0
     for layer in range(model.n_layers):
         routed = routing.is_routed(layer)
         fwd: dict[str, int] = {}
+        extra: dict[str, int] = {}
+        inputs: dict[str, int] = {}  # depth gate: the controller's matmuls on the block's hidden state
         n = T
         if routed and method in ("mod", "random", "stride", "first_k"):
             n = _capacity_tokens(routing, T)
@@ -207,8 +250,7 @@ def estimate_flops(
                     h = routing.predictor_hidden
                     fwd["predictor"] = 2 * T * d * h + 2 * T * h
         elif routed and method == "depth_gate":
-            fwd, extra, ng = _depth_gate_layer(T, d, ffn, routing)
-            _add(train_extra, extra)
+            fwd, extra, ng, inputs = _depth_gate_layer(T, d, ffn, routing)
             _add(no_grad, ng)
         else:
             _add(fwd, _block_flops(T, d, ffn))
@@ -221,22 +263,34 @@ def estimate_flops(
         tokens.append(n)
         layer_forward.append(sum(fwd.values()))
         _add(comp, fwd)
+        _add(train_extra, extra)
+        train_layer = dict(fwd)
+        _add(train_layer, extra)
+        if activation_checkpointing:  # the layers' training forward; frozen base: from the first gated FFN pair
+            recompute += sum(f for c, f in train_layer.items() if grad_in or (routed and c in ("mlp", "cheap")))
+        if frozen_base:
+            _add(frozen_bwd, _frozen_backward(train_layer, grad_in, inputs))
+            grad_in = grad_in or routed
     comp["lm_head"] = 2 * T * d * model.vocab_size
+    if frozen_base:
+        frozen_bwd["lm_head"] = comp["lm_head"] if grad_in else 0  # input gradient only
     no_grad["oracle"] = _oracle_flops(model, routing, T, layer_forward)
-    recompute = (sum(comp[c] for c in LAYER_COMPONENTS) + sum(train_extra.values())) if activation_checkpointing else 0
     return FlopsBreakdown(seq_len=T, components=comp, tokens_per_layer=tuple(tokens), recompute=recompute,
-                          train_extra=train_extra, no_grad=no_grad)
+                          train_extra=train_extra, no_grad=no_grad, frozen_backward=frozen_bwd)
 
 
-def training_proxy(model: ModelConfig, routing: RoutingConfig, seq_len: int) -> float:
-    """Training FLOPs of a routed recipe relative to the full-only (dense) model of the same shape.
+def training_proxy(model: ModelConfig, routing: RoutingConfig, seq_len: int, frozen_base: bool = False) -> float:
+    """Training FLOPs of a routed recipe relative to training the full-only (dense) model of the same
+    shape with every weight trainable.
 
     Counts everything a training step computes: forward and backward of both depth-gate paths,
     gates and predictors, plus forward-only work (oracle-label passes, frozen target heads, exit
     labels). The published cheap/full recipe quotes this as ~1.53x with utility/rank losses and
-    ~1.07x without (see configs/recipes/depth_gate_157m*.yaml).
+    ~1.07x without (see configs/recipes/depth_gate_157m*.yaml). frozen_base=True: the FLOPs
+    controller-only training actually executes (see `estimate_flops`).
     """
-    return estimate_flops(model, routing, seq_len).train / estimate_flops(model, RoutingConfig(), seq_len).train
+    routed = estimate_flops(model, routing, seq_len, frozen_base=frozen_base)
+    return routed.train / estimate_flops(model, RoutingConfig(), seq_len).train
 
 
 def config_flops(cfg: Config, seq_len: Optional[int] = None) -> FlopsBreakdown:
@@ -304,6 +358,6 @@ def peak_flops(device: Optional[str] = None) -> float:
 
 
 __all__ = [
-    "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops", "cpu_peak_flops",
-    "estimate_flops", "flops_per_token", "mfu", "peak_flops", "training_proxy",
+    "BACKWARD_FACTOR", "COMPONENTS", "CONTROLLER_COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
+    "cpu_peak_flops", "estimate_flops", "flops_per_token", "mfu", "peak_flops", "training_proxy",
 ]

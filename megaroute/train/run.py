@@ -236,6 +236,10 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
     params = {**flatten(cfg), "flops.train_per_token": flops.per_token(training=True),
               "flops.inference_per_token": flops.per_token(training=False),
               "flops.train_proxy_vs_full": round(training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), 4)}
+    if cfg.train.controller_only and cfg.routing.method == "depth_gate":
+        # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
+        params["flops.train_executed_vs_full"] = round(
+            training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
     tracker = MLflowTracker(cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment, cfg.name,
                             params=params, tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
                             run_id=run_id)

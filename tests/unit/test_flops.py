@@ -28,6 +28,7 @@ from megaroute.flops import (
     training_proxy,
 )
 from megaroute.model import build_model
+from megaroute.routing import freeze_base
 from megaroute.routing.dispatch import capacity_k
 
 aten = torch.ops.aten
@@ -240,17 +241,24 @@ GATE_CASES = {
                                  depth_gate=DepthGateConfig(gate="jepa", utility_weight=1.0, oracle="on_policy")), 30),
     "g1_oracle_sampled": (dict(method="depth_gate", every=1, offset=0,
                                depth_gate=DepthGateConfig(utility_weight=1.0, oracle_layers=4)), 24),
+    "g3_oracle_off_policy_every2": (dict(method="depth_gate", every=2, offset=1,
+                                         depth_gate=DepthGateConfig(gate="jepa", cheap="narrow", utility_weight=1.0,
+                                                                    rank_weight=1.0)), 36),
     "early_exit_every2": (dict(method="early_exit", every=2, offset=1), 40),
 }
 
 
-def _gate_model(case: str):
+def _gate_cfgs(case: str) -> tuple[ModelConfig, RoutingConfig, int]:
     routing_kw, T = GATE_CASES[case]
-    model_cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=4, n_heads=4, max_seq_len=128)
-    routing = RoutingConfig(**routing_kw)
+    model = ModelConfig(vocab_size=128, d_model=64, n_layers=4, n_heads=4, max_seq_len=128)
+    return model, RoutingConfig(**routing_kw), T
+
+
+def _gate_model(case: str, **flops_kw):
+    model_cfg, routing, T = _gate_cfgs(case)
     torch.manual_seed(0)
     model = build_model(model_cfg, routing)
-    return model, torch.randint(0, 128, (BATCH, T)), estimate_flops(model_cfg, routing, T)
+    return model, torch.randint(0, 128, (BATCH, T)), estimate_flops(model_cfg, routing, T, **flops_kw)
 
 
 @pytest.mark.parametrize("case", list(GATE_CASES))
@@ -294,3 +302,40 @@ def test_training_proxy_counts_both_paths_and_oracle_passes():
     block = sum(dense.components[c] for c in ("attn_proj", "attn_scores", "mlp")) // 6
     expected = sum(2 * ((5 - i) * block + dense.components["lm_head"]) for i in range(6))
     assert estimate_flops(model, oracle, T).no_grad["oracle"] == expected
+
+
+@pytest.mark.parametrize("case", [c for c in GATE_CASES if c.startswith(("g1", "g3"))])
+def test_frozen_base_training_matches_flop_counter(case):
+    """Controller-only training (freeze_base): frozen_base=True counts the backward autograd runs."""
+    model, tokens, est = _gate_model(case, frozen_base=True)
+    freeze_base(model)
+    total, _ = _count(model, tokens, backward=True)
+    # Flash backward recomputes QK^T (0.5 x the scores' forward) where the scores run backward (2 x).
+    flash_recompute = est.frozen_backward["attn_scores"] // 4
+    assert total == BATCH * (est.train + flash_recompute)
+    assert est.backward < estimate_flops(*_gate_cfgs(case)).backward
+
+
+def test_frozen_base_backward_structure_and_proxy():
+    model = ModelConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512)
+    T = 128
+    routing = RoutingConfig(method="depth_gate", every=2, offset=1)  # blocks 1 and 3 gated
+    full = estimate_flops(model, routing, T, activation_checkpointing=True)
+    frozen = estimate_flops(model, routing, T, activation_checkpointing=True, frozen_base=True)
+    assert frozen.forward == full.forward and frozen.no_grad == full.no_grad
+    block = {c: full.components[c] // 4 for c in ("attn_proj", "attn_scores")}
+    # Scores: only in blocks 2 and 3 (after the first gate); frozen LM head: input gradient only.
+    assert frozen.frozen_backward["attn_scores"] == 2 * 2 * block["attn_scores"]
+    assert frozen.frozen_backward["attn_proj"] == 2 * block["attn_proj"]
+    assert frozen.frozen_backward["lm_head"] == full.components["lm_head"]
+    assert frozen.frozen_backward["embedding"] == 0
+    # Checkpointing recomputes neither block 0 nor block 1's attention (no grad there); of block 1
+    # only its FFN pair, which holds the trainable cheap FFN (the scorer is not checkpointed).
+    dense_mlp = 2 * T * model.d_model * 3 * model.ffn_hidden
+    assert frozen.recompute == full.recompute - 2 * sum(block.values()) - dense_mlp - full.components["gate"] // 2
+    dense = estimate_flops(model, RoutingConfig(), T)
+    assert training_proxy(model, routing, T, frozen_base=True) == pytest.approx(frozen.train / dense.train)
+    assert training_proxy(model, routing, T, frozen_base=True) < training_proxy(model, routing, T)
+    assert "frozen_backward" in frozen.as_dict() and "frozen_backward" not in full.as_dict()
+    with pytest.raises(NotImplementedError):
+        estimate_flops(model, RoutingConfig(method="mod"), T, frozen_base=True)
