@@ -61,13 +61,10 @@ def _tokenizer(src: CheckpointSource, path: Optional[str]):
                               "tokenizer file>)") from None
 
 
-def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
-                   max_bytes: int, progress: bool) -> dict:
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
+def _checked_rank_state_dicts(src: CheckpointSource, adapter: StateDictAdapter) -> list[dict]:
+    """Each model-parallel rank's (lazy) state dict, names checked before any tensor is read."""
     ranks = rank_state_dicts(src)
-    for r, sd in enumerate(ranks):  # names are checked before any tensor is read
+    for r, sd in enumerate(ranks):
         if adapter.tied and "embed.weight" in sd:
             sd.setdefault("lm_head.weight", sd["embed.weight"])  # ZeRO-3 stores a tied tensor once
         missing = [k for k in adapter.keys() if k not in sd]
@@ -75,6 +72,31 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
         if missing or unexpected:
             raise ConversionError(f"{src.tag_dir} (model-parallel rank {r}) does not match the run's config: "
                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return ranks
+
+
+def _merged(adapter: StateDictAdapter, ranks: list[dict], key: str, src: CheckpointSource) -> torch.Tensor:
+    try:
+        return adapter.merge(key, [materialize(sd[key]) for sd in ranks], src.tag_dir)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+
+
+def full_state_dict(path: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """megaroute's TP=1 state dict of a checkpoint of any ZeRO stage and TP degree, in memory
+    (for analysis and tests; `convert` streams the same tensors to disk instead)."""
+    src = locate(path, tag)
+    adapter = StateDictAdapter(src.config.model, src.config.routing)
+    ranks = _checked_rank_state_dicts(src, adapter)
+    return {key: _merged(adapter, ranks, key, src).clone() for key in adapter.keys()}
+
+
+def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
+                   max_bytes: int, progress: bool) -> dict:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    ranks = _checked_rank_state_dicts(src, adapter)
     plan = _plan_shards(adapter, dtype, max_bytes)
     names = (["model.safetensors"] if len(plan) == 1 else
              [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
@@ -83,10 +105,7 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
     for name, keys in zip(names, plan):
         tensors = {}
         for key in keys:
-            try:
-                full = adapter.merge(key, [materialize(sd[key]) for sd in ranks], src.tag_dir)
-            except ValueError as e:
-                raise ConversionError(str(e)) from None
+            full = _merged(adapter, ranks, key, src)
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             # A fresh, contiguous tensor: safetensors refuses shared storage (tied embedding/LM head).

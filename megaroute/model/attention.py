@@ -40,4 +40,4 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = pos.kv.append(k, v, pos.positions, pos.valid)
             y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask)
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # T may be 0

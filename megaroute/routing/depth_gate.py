@@ -189,8 +189,9 @@ class DepthGateLayer(nn.Module):
         """
         slot, n_full = dispatch.path_slots(full)
         tokens = self.dispatcher.permute(u, slot)
-        y_full, y_cheap = (ffn(part) if len(part) else part  # an empty path runs nothing
-                           for ffn, part in ((self.block.mlp, tokens[:n_full]), (self.cheap, tokens[n_full:])))
+        # Both FFNs run even on an empty buffer: a module skipped on one data-parallel rank only would
+        # leave ZeRO-3's parameter all-gathers out of step and hang the others.
+        y_full, y_cheap = self.block.mlp(tokens[:n_full]), self.cheap(tokens[n_full:])
         ones = torch.ones(full.shape, dtype=h.dtype, device=h.device)
         return self.dispatcher.unpermute(h, slot, ones, y_full, y_cheap)
 

@@ -22,8 +22,8 @@ def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, id
                     weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
                     dispatcher: Dispatcher) -> torch.Tensor:
     """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
-    if idx.shape[1] == 0:  # nobody in the batch runs this block
-        return x
+    # k = 0 still runs the block (on no tokens, at no cost): a module skipped on one data-parallel
+    # rank only would leave ZeRO-3's parameter all-gathers out of step and hang the others.
     delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
     if weight is None:
         weight = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device)

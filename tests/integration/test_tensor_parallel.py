@@ -2,15 +2,16 @@
 (torchrun) against a single-process run of the same config.
 
 TP=2 and TP=2 x DP=2 must reproduce the single-process per-step losses within 1e-5 (fp32) over 5
-optimizer steps, and its gradient norms (the norm of the gathered gradients: DeepSpeed's, which
-reads TP-sharded parameters through the layout-as-mpu, and the per-group probe), under ZeRO 1, 2
-and 3. A TP=2 x DP=2 run stopped and resumed from its
+optimizer steps, its gradient norms (the norm of the gathered gradients: DeepSpeed's, which
+reads TP-sharded parameters through the layout-as-mpu, and the per-group probe), and every
+parameter after the 5 steps (gathered from the checkpoints), under ZeRO 1, 2 and 3. A TP=2 x DP=2 run stopped and resumed from its
 per-TP-rank checkpoint files continues bit for bit.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megaroute.train.signals import EXIT_CONFIG_ERROR, EXIT_OK
 
@@ -25,7 +26,7 @@ SMALL = ["data.seq_len=32", "model.max_seq_len=32", f"train.max_steps={STEPS}", 
 CASES = [  # (routing method, ZeRO stage, tp, dp, activation checkpointing)
     ("none", 1, 2, 2, False), ("none", 2, 2, 1, False), ("none", 3, 2, 2, False),
     ("mod", 1, 2, 1, False), ("mod", 2, 2, 2, True), ("mod", 3, 2, 2, False),
-    ("depth_gate", 1, 2, 2, False),
+    ("depth_gate", 1, 2, 2, False), ("depth_gate", 3, 2, 2, False),
 ]
 
 
@@ -33,6 +34,22 @@ def _job(workdir, data, name, method, *overrides, nprocs=1, **kw):
     launcher = "python" if nprocs == 1 else "torchrun"
     return start_job(workdir, data, "configs/tiny.yaml", *SMALL, f"routing.method={method}", *overrides,
                      nprocs=nprocs, launcher=launcher, name=name, **kw)
+
+
+def run_name(method: str, zero: int = 1, tp: int = 1, dp: int = 1, ckpt: bool = False) -> str:
+    return f"{method}_z{zero}_tp{tp}_dp{dp}" + ("_ckpt" if ckpt else "")
+
+
+def final_parameters(run_dir) -> dict[str, torch.Tensor]:
+    """The trained parameters (not buffers: DP ranks average the depth gate's running threshold
+    per step, the single process per micro-batch) of a run's last checkpoint, at TP=1."""
+    from megaroute.config import load_config
+    from megaroute.hf.convert import full_state_dict
+    from megaroute.model import build_model
+
+    cfg = load_config(str(run_dir / "config.yaml"))
+    names = {n for n, _ in build_model(cfg.model, cfg.routing, device="meta").named_parameters()}
+    return {k: v for k, v in full_state_dict(str(run_dir / "checkpoints")).items() if k in names}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +65,7 @@ def run(workdir, char_data):
     def get(method: str, zero: int = 1, tp: int = 1, dp: int = 1, ckpt: bool = False) -> dict[int, dict]:
         key = (method, zero, tp, dp, ckpt)
         if key not in cache:
-            name = f"{method}_z{zero}_tp{tp}_dp{dp}" + ("_ckpt" if ckpt else "")
+            name = run_name(*key)
             job = _job(workdir, char_data, name, method, f"optim.zero_stage={zero}", f"parallel.tp={tp}",
                        f"parallel.dp={dp}", f"parallel.activation_checkpointing={str(ckpt).lower()}",
                        nprocs=tp * dp)
@@ -62,7 +79,7 @@ def run(workdir, char_data):
 
 @pytest.mark.parametrize("method,zero,tp,dp,ckpt", CASES,
                          ids=[f"{m}-zero{z}-tp{t}xdp{d}" + ("-actckpt" if c else "") for m, z, t, d, c in CASES])
-def test_tp_run_matches_single_process(run, method, zero, tp, dp, ckpt):
+def test_tp_run_matches_single_process(workdir, run, method, zero, tp, dp, ckpt):
     reference, parallel = run(method), run(method, zero, tp, dp, ckpt)
     for step in range(1, STEPS + 1):
         ref, got = reference[step], parallel[step]
@@ -70,6 +87,13 @@ def test_tp_run_matches_single_process(run, method, zero, tp, dp, ckpt):
         for key in ("train/grad_norm", "grad_norm/base"):  # DeepSpeed's clip norm and our per-group probe
             assert got[key] == pytest.approx(ref[key], rel=1e-4), (step, key)
         assert got["train/lr"] == ref["train/lr"]
+    # Gathered results of every gradient: each parameter after 5 optimizer steps, read back from the
+    # final checkpoints (TP shards merged, ZeRO-3 partitions reassembled) and compared per tensor.
+    reference_w, parallel_w = (final_parameters(workdir / "runs" / name)
+                               for name in (run_name(method), run_name(method, zero, tp, dp, ckpt)))
+    assert reference_w and reference_w.keys() == parallel_w.keys()
+    for key, want in reference_w.items():
+        torch.testing.assert_close(parallel_w[key], want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{key}: {m}")
 
 
 def test_tp2_dp2_save_and_resume_continues_identically(workdir, char_data, run):
