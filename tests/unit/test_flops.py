@@ -339,3 +339,23 @@ def test_frozen_base_backward_structure_and_proxy():
     assert "frozen_backward" in frozen.as_dict() and "frozen_backward" not in full.as_dict()
     with pytest.raises(NotImplementedError):
         estimate_flops(model, RoutingConfig(method="mod"), T, frozen_base=True)
+
+
+@pytest.mark.parametrize("recipe, published, ours", [("depth_gate_157m", 1.53, 1.4969),
+                                                     ("depth_gate_157m_no_aux", 1.07, 1.0732)])
+def test_published_recipe_ratio_is_reproduced(recipe, published, ours):
+    """The cheap/full recipe's training FLOPs vs full-only (3x-forward convention, as published).
+
+    The reconstruction's undocumented knobs (gated blocks, cheap width, labelled blocks per step)
+    are stated in the recipe file; it lands within 2.5% of the published ~1.53x and ~1.07x.
+    """
+    import os
+
+    from megaroute.config import load_config
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "recipes", f"{recipe}.yaml")
+    cfg = load_config(path)
+    ratio = training_proxy(cfg.model, cfg.routing, cfg.data.seq_len)
+    assert ratio == pytest.approx(ours, abs=1e-4)
+    assert ratio == pytest.approx(published, rel=0.025)
+    assert cfg.train.controller_only  # controller-only from a dense checkpoint, as published

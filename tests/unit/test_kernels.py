@@ -271,7 +271,7 @@ def _unfused_combine(x, idx, g, delta):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_compiled_kernels_match_and_beat_the_unfused_chain(ops, dtype):
+def test_cuda_compiled_kernels_match_their_references(ops, dtype):
     from triton.testing import do_bench
 
     gen = torch.Generator().manual_seed(0)
@@ -280,8 +280,13 @@ def test_cuda_compiled_kernels_match_and_beat_the_unfused_chain(ops, dtype):
     g, delta = _rand(B, k, dtype=dtype, gen=gen), _rand(B, k, D, dtype=dtype, gen=gen)
     _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
     _assert_parity(ops.gather, ref.gather, (x, idx))
+    # The cheap/full split: compiled permute/unpermute, forward and backward, with combine weights.
+    slot, n_full = ref.path_slots(torch.rand(B, T, generator=gen).to(DEVICE) < 0.5)
+    _assert_parity(ops.permute, ref.permute, (x, slot))
+    y, w = _rand(B * T, D, dtype=dtype, gen=gen), _rand(B, T, dtype=dtype, gen=gen)
+    _assert_parity(ops.unpermute, ref.unpermute, (x, slot, w, y[:n_full], y[n_full:]))
+    # Timing is reported, not asserted (targets live in python -m megaroute.kernels.bench).
     fused = do_bench(lambda: ops.combine(x, idx, g, delta))
     unfused = do_bench(lambda: _unfused_combine(x, idx, g, delta))
     print(f"combine {dtype}: fused {fused * 1e3:.1f} us, unfused {unfused * 1e3:.1f} us")
-    assert fused < unfused
 
