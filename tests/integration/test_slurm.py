@@ -102,10 +102,12 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     # What `--signal=B:USR1@300` does five minutes before the time limit: signal the batch shell only.
     cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
     # slurmctld holds a requeued job back (its begin time moves about two minutes ahead, against
-    # requeue loops); release it so the test times our checkpoint/resume, not that hold.
-    wait_for(lambda: cluster.job(job).get("Restarts") == "1", timeout=180)
-    if cluster.job(job)["JobState"] == "PENDING":
-        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    # requeue loops); release it sooner so the test times our checkpoint/resume, not that hold.
+    # Not at once: slurmd revokes the killed run's credentials with one-second resolution, and a
+    # relaunch within that second is refused ("Job credential revoked").
+    wait_for(lambda: (lambda j: j.get("Restarts") == "1" and j.get("JobState") == "PENDING")(cluster.job(job)),
+             timeout=180)
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+5"])
     cluster.wait_done([job], timeout=400)
 
     out = (tmp_path / f"{job}.out").read_text()
