@@ -24,13 +24,12 @@ def _model_states(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
 
 
-def _mlflow_params(runs: Path, name: str) -> dict[str, str]:
+def _mlflow_run(runs: Path, name: str):
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{runs}/mlflow.db")
-    run = client.search_runs([client.get_experiment_by_name("megaroute").experiment_id],
-                             f"attributes.run_name = '{name}'")[0]
-    return run.data.params
+    return client.search_runs([client.get_experiment_by_name("megaroute").experiment_id],
+                              f"attributes.run_name = '{name}'")[0]
 
 
 def test_controller_only_gate_training_from_a_dense_run(launch, tmp_path):
@@ -65,9 +64,15 @@ def test_controller_only_gate_training_from_a_dense_run(launch, tmp_path):
         else:
             assert is_controller_param(name) or name.endswith(("causal_threshold", "threshold_updates",
                                                                 "target_head")), name
-    params = _mlflow_params(tmp_path / "runs", "g3")
+    mlflow_run = _mlflow_run(tmp_path / "runs", "g3")
+    params = mlflow_run.data.params
     assert float(params["flops.train_proxy_vs_full"]) > 1.0
+    # With the base frozen, autograd runs less than the 3x-forward convention counts.
+    assert 0 < float(params["flops.train_executed_vs_full"]) < float(params["flops.train_proxy_vs_full"])
     assert params["routing.depth_gate.gate"] == "jepa"
+    for key in ("val/loss_causal", "val/full_frac_causal", "val/best_loss", "val/threshold_hit_step/100",
+                "grad_norm/controller", "aux/layer_1/utility"):
+        assert key in mlflow_run.data.metrics, key
 
 
 def test_controller_only_refuses_a_checkpoint_without_the_base(launch, tmp_path):
@@ -83,13 +88,15 @@ def test_controller_only_refuses_a_checkpoint_without_the_base(launch, tmp_path)
     ("early_exit", ("val/loss_causal", "val/tlops_frac_causal")),
     ("random", ("val/loss_causal", "val/tlops_frac")),
 ])
-def test_method_specific_metrics_reach_the_metrics_file(launch, tmp_path, method, expected):
+def test_method_specific_metrics_reach_the_metrics_file_and_mlflow(launch, tmp_path, method, expected):
     job = launch("configs/tiny.yaml", f"routing.method={method}", "routing.halting.penalty=0.01",
                  "train.max_steps=2", nprocs=1, launcher="python", name=method)
     assert job.wait() == 0, job.output()[-3000:]
     evals = read_metrics(tmp_path / "runs" / method, "eval")[2]
+    logged = _mlflow_run(tmp_path / "runs", method).data.metrics  # the last value of each key
     for key in ("val/loss", *expected):
         assert key in evals, key
+        assert logged[key] == pytest.approx(evals[key]), key
     if method == "halting":
         assert 0 <= evals["val/tlops_frac_hard"] <= 1
         assert "aux/layer_1/depth_penalty" in read_metrics(tmp_path / "runs" / method)[1]
