@@ -76,6 +76,6 @@ def freeze_base(model: nn.Module) -> list[str]:
     return trainable
 
 
-__all__ = ["CONTROLLER_MODULES", "average_causal_thresholds", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
-           "HaltingLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext", "build_layer", "freeze_base",
-           "is_controller_param"]
+__all__ = ["CONTROLLER_MODULES", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
+           "HaltingLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext", "average_causal_thresholds", "build_layer",
+           "freeze_base", "is_controller_param"]

@@ -126,10 +126,7 @@ class DepthGateLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         blk = self.block
-        if pos.kv is not None:  # incremental decoding
-            h = x + blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos)
-        else:
-            h = x + blk.recomputed(lambda x, cos, sin: blk.attn(blk.attn_norm(x), cos, sin), x, pos.cos, pos.sin)
+        h = x + blk.recomputed(lambda x: blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos), x)
         u = blk.mlp_norm(h)
         forced = ctx.forced_path(name)
         if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer

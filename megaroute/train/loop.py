@@ -99,11 +99,10 @@ class Trainer:
             inputs, targets = next(self.batches)
             out = self.engine(inputs.to(self.engine.device), targets.to(self.engine.device))
             bad |= ~torch.isfinite(out.loss.detach())
-            _accumulate(sums, "lm_loss", out.lm_loss, 1 / self.accumulation, self.engine.device)
-            for k, v in out.aux_losses.items():
-                _accumulate(sums, f"aux/{k}", v, 1 / self.accumulation, self.engine.device)
-            for k, v in out.routing_stats.items():
-                _accumulate(sums, f"routing/{k}", v, 1 / self.accumulation, self.engine.device)
+            values = {"lm_loss": out.lm_loss, **{f"aux/{k}": v for k, v in out.aux_losses.items()},
+                      **{f"routing/{k}": v for k, v in out.routing_stats.items()}}
+            for key, value in values.items():
+                _accumulate(sums, key, value, 1 / self.accumulation, self.engine.device)
             if micro == self.accumulation - 1:
                 local = dict(zip(["bad", *sums], torch.stack([bad.double(), *sums.values()]).tolist()))
                 local_bad = local.pop("bad") > 0

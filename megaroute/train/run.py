@@ -362,7 +362,5 @@ def main(argv: Optional[list[str]] = None) -> int:
         traceback.print_exc()
         return 1
     finally:
-        if env is not None:
+        if env is not None:  # without an env, no process group was created
             release(env)
-        elif dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

@@ -30,19 +30,6 @@ pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _restore_mlflow_env():
-    """An in-process tracker sets MLFLOW_* defaults process-wide; keep other tests' environment."""
-    keys = [*tracking._MLFLOW_ENV, *tracking._CHILD_ENV]
-    saved = {k: os.environ.get(k) for k in keys}
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
