@@ -76,8 +76,9 @@ def _read_yaml(path: str) -> dict:
             data = yaml.load(f, Loader=_Loader)
         except yaml.YAMLError as e:
             raise ConfigError("", f"{path} is not valid YAML: {e}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or only comments: most likely a truncated or wrong file
+        raise ConfigError("", f"{path} is empty (no YAML content, or only comments): a config file must contain "
+                              "a mapping of sections; write `{}` for all defaults")
     if not isinstance(data, dict):
         raise ConfigError("", f"{path} must contain a mapping at top level, got {type(data).__name__}")
     return data

@@ -13,18 +13,33 @@ byte-identical for any `data.num_workers`.
 `chunk_bytes` is 16 KiB, doubled (up to 4 MiB) until the corpus has at most ~4096 chunks: small
 corpora still get a fine-grained train/val split, large ones a short chunk list.
 
-Undecodable bytes (text files only; the structured readers validate UTF-8 themselves and fail
-naming the file): `data.decode_errors=replace` substitutes U+FFFD and counts substitutions,
-`strict` raises DataError naming the file and the absolute byte offset.
+Undecodable input, per kind of source:
+
+- text files: `data.decode_errors=replace` substitutes U+FFFD for invalid UTF-8 and counts the
+  substitutions, `strict` raises DataError naming the file and the absolute byte offset. A file
+  with a NUL byte in its first 8000 bytes (git's binary test) is not text at all (gzip, zip, a
+  .bin shard, UTF-16): it is rejected in either mode instead of being tokenized as U+FFFD soup.
+- JSONL (.jsonl/.json, optionally .gz): JSON is UTF-8 and `datasets`' JSON reader does not check
+  it (it fails later, on first access, with a bare UnicodeDecodeError), so every file is
+  stream-decoded first; invalid UTF-8 or a corrupt gzip stream raises DataError naming the file
+  (and the byte offset, counted in the decompressed stream), whatever `data.decode_errors` says.
+- Parquet / Arrow: a file whose schema cannot be read (not Parquet/Arrow, truncated) raises
+  DataError naming it; their string columns are UTF-8 by construction.
+
+`check_source(cfg)` runs these checks (and the missing/empty ones) without tokenizing or
+converting anything, so a launcher can reject bad input before any process group starts.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
+import gzip
 import os
 import re
 import socket
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 from urllib.parse import urlparse
@@ -40,6 +55,10 @@ _TARGET_CHUNKS = 4096
 # A "line" longer than this is cut at a character boundary instead of at a newline.
 _MAX_LINE_BYTES = 1 << 20
 _HUB_PROBE_TIMEOUT_S = 3.0
+# A NUL byte this early means "not a text file" (the same test git and grep use).
+_BINARY_SNIFF_BYTES = 8000
+_SCAN_BLOCK_BYTES = 1 << 20
+_STRICT_HINT = "set data.decode_errors=replace to substitute U+FFFD and count the substitutions"
 
 _EXTENSIONS = {
     ".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl", ".json.gz": "jsonl",
@@ -88,8 +107,7 @@ def decode_utf8(data: bytes, mode: str, origin: str, offset: int) -> tuple[str, 
     except UnicodeDecodeError as e:
         if mode == "strict":
             raise DataError(
-                f"{origin}: invalid UTF-8 at byte offset {offset + e.start} ({e.reason}); "
-                "set data.decode_errors=replace to substitute U+FFFD and count the substitutions"
+                f"{origin}: invalid UTF-8 at byte offset {offset + e.start} ({e.reason}); {_STRICT_HINT}"
             ) from None
     text = data.decode("utf-8", "replace")
     # U+FFFD already present in the file is a valid 3-byte sequence that no error span can
@@ -106,11 +124,50 @@ class TextReader:
         return ChunkText([(text, chunk.ends_document)], replaced)
 
 
+def require_text(path: str) -> None:
+    """DataError unless `path` looks like a text file (no NUL byte in its first 8000 bytes)."""
+    with open(path, "rb") as f:
+        head = f.read(_BINARY_SNIFF_BYTES)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        kind = "gzip-compressed" if head.startswith(b"\x1f\x8b") else "binary"
+        raise DataError(
+            f"data.source: {path} is not a text file ({kind}: NUL byte at offset {nul}); decompress it or "
+            "convert it to UTF-8 text, or give JSONL/Parquet/Arrow files their extension (or set data.format)"
+        )
+
+
+def check_utf8(path: str, hint: str = "") -> None:
+    """Stream-decodes `path` (gunzipped when it ends in .gz) as strict UTF-8 in 1 MiB blocks;
+    DataError naming the file and the absolute byte offset of the first invalid sequence."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    offset = 0  # bytes fed to the decoder so far
+    try:
+        with opener(path, "rb") as f:
+            while True:
+                block = f.read(_SCAN_BLOCK_BYTES)
+                pending = len(decoder.getstate()[0])  # an incomplete sequence carried over
+                try:
+                    decoder.decode(block, final=not block)
+                except UnicodeDecodeError as e:  # e.start indexes pending + block
+                    raise DataError(f"{path}: invalid UTF-8 at byte offset {offset - pending + e.start} "
+                                    f"({e.reason}){'; ' + hint if hint else ''}") from None
+                if not block:
+                    return
+                offset += len(block)
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"data.source: could not read {path}: {type(e).__name__}: {e}") from None
+
+
 def text_corpus(source: str, files: list[str]) -> Corpus:
     """Plain text files; each file is a document."""
     sizes = [os.path.getsize(p) for p in files]
     if sum(sizes) == 0:
         raise DataError(f"data.source: input is empty: {', '.join(files)}")
+    for path, size in zip(files, sizes):
+        if size:
+            require_text(path)
     chunk_bytes = chunk_bytes_for(sum(sizes))
     chunks: list[Chunk] = []
     for path, size in zip(files, sizes):
@@ -265,10 +322,79 @@ def _load_dataset(builder_or_name: str, origin: str, **kwargs):
         raise DataError(f"data.source: could not read {origin}: {type(e).__name__}: {e}") from None
 
 
+def _is_hub(cfg: DataConfig) -> bool:
+    return cfg.format == "hub" or (cfg.format == "auto" and _is_hub_name(cfg.source))
+
+
+def _local_format(cfg: DataConfig, files: list[str]) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    formats = sorted({_format_of(p) for p in files})
+    if len(formats) > 1:
+        raise DataError(f"data.source: {cfg.source!r} mixes formats {formats}; set data.format or narrow the glob")
+    return formats[0]
+
+
+def _check_structured(files: list[str], fmt: str, text_field: str) -> None:
+    """Non-empty, readable and (JSONL) valid UTF-8; Parquet/Arrow: the schema has `text_field`."""
+    empty = [p for p in files if os.path.getsize(p) == 0]
+    if empty:
+        raise DataError(f"data.source: input is empty: {', '.join(empty)}")
+    for path in files:
+        if fmt == "jsonl":
+            check_utf8(path, "JSON must be UTF-8 (data.decode_errors applies to text files only)")
+            continue
+        import pyarrow as pa
+
+        try:
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                names = pq.read_schema(path).names
+            else:  # what datasets' arrow builder reads: the IPC stream format, else the file format
+                with open(path, "rb") as f:
+                    try:
+                        names = pa.ipc.open_stream(f).schema.names
+                    except pa.ArrowInvalid:
+                        f.seek(0)
+                        names = pa.ipc.open_file(f).schema.names
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"data.source: {path} is not a readable {fmt} file ({type(e).__name__}: {e})") from None
+        if text_field not in names:
+            raise DataError(f"data.text_field: column {text_field!r} not found in {path} (columns: {', '.join(names)})")
+
+
+def check_source(cfg: DataConfig) -> None:
+    """Pre-flight check of `cfg.source`: raises the DataError `open_corpus`/`prepare` would raise for
+    a missing, empty or undecodable input, without tokenizing or converting anything.
+
+    Cost: text files are sniffed (8000 bytes each) and, with decode_errors=strict, stream-decoded;
+    JSONL files are stream-decoded (they must be UTF-8); Parquet/Arrow files have their schema read.
+    A hub name is probed for reachability (at most 3 s). What needs the whole corpus tokenized (a
+    split left empty by data.val_fraction, too many characters for a char vocabulary) is still
+    found by `prepare`."""
+    if _is_hub(cfg):
+        _require_hub_reachable(cfg.source)
+        return
+    files = _expand_local(cfg.source)
+    fmt = _local_format(cfg, files)
+    if fmt != "text":
+        _check_structured(files, fmt, cfg.text_field)
+        return
+    sizes = [os.path.getsize(p) for p in files]
+    if sum(sizes) == 0:
+        raise DataError(f"data.source: input is empty: {', '.join(files)}")
+    for path, size in zip(files, sizes):
+        if size:
+            require_text(path)
+            if cfg.decode_errors == "strict":
+                check_utf8(path, _STRICT_HINT)
+
+
 def open_corpus(cfg: DataConfig, cache_dir: str) -> Corpus:
     """Resolve `cfg.source` to a chunked Corpus. Local structured inputs are converted to
     Arrow under `cache_dir` (the caller's scratch space)."""
-    if cfg.format == "hub" or (cfg.format == "auto" and _is_hub_name(cfg.source)):
+    if _is_hub(cfg):
         _require_hub_reachable(cfg.source)
         ds = _load_dataset(cfg.source, cfg.source, name=cfg.hub_config, split=cfg.hub_split)
         description = {"kind": "hub", "source": cfg.source, "config": cfg.hub_config, "split": cfg.hub_split,
@@ -276,17 +402,10 @@ def open_corpus(cfg: DataConfig, cache_dir: str) -> Corpus:
         return row_corpus(ds, cfg.text_field, cfg.source, description)
 
     files = _expand_local(cfg.source)
-    formats = sorted({_format_of(p) for p in files})
-    fmt = cfg.format
-    if fmt == "auto":
-        if len(formats) > 1:
-            raise DataError(f"data.source: {cfg.source!r} mixes formats {formats}; set data.format or narrow the glob")
-        fmt = formats[0]
+    fmt = _local_format(cfg, files)
     if fmt == "text":
         return text_corpus(cfg.source, files)
-    empty = [p for p in files if os.path.getsize(p) == 0]
-    if empty:
-        raise DataError(f"data.source: input is empty: {', '.join(empty)}")
+    _check_structured(files, fmt, cfg.text_field)
     origin = files[0] if len(files) == 1 else f"{cfg.source} ({len(files)} files)"
     ds = _load_dataset(_BUILDERS[fmt], origin, data_files=files, split="train", cache_dir=cache_dir)
     description = {"kind": fmt, "source": cfg.source, "files": [{"path": p, "bytes": os.path.getsize(p)} for p in files]}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import warnings
 from typing import Iterator, Optional
 
 import numpy as np
@@ -36,9 +37,17 @@ _SUPPORTED_DTYPES = ("uint16", "uint32")
 class PackedDataset:
     """One split of a prepared directory, validated against its index.
 
-    verify="size" checks every shard's existence and size (cheap, safe on every start);
-    verify="full" also checks sha256 checksums, the tokenizer file, and that no token id is
-    >= vocab_size (reads every byte). Problems raise DataError naming the file or key.
+    verify="size" checks every shard's existence and size, and its token-id range against the
+    vocabulary (cheap, safe on every start); verify="full" also checks sha256 checksums, the
+    tokenizer file, and the ids themselves (reads every byte). Problems raise DataError naming
+    the file or key.
+
+    Vocabulary: ids must be < the index's `vocab_size` (the tokenizer) and < `vocab_size` (the
+    model's, when given). `prepare` records each shard's `min_id`/`max_id` in the index, so the
+    check costs nothing when a shard is mapped. An index written before those fields existed has
+    its shards scanned instead (one pass over each shard of the split, every time it is opened,
+    with a warning); re-running `megaroute data prepare` (byte-identical shards) records the
+    ranges and makes the check free again.
     """
 
     def __init__(
@@ -83,6 +92,7 @@ class PackedDataset:
         self.files: list[str] = []
         self._shards: list[np.memmap] = []
         self._starts: list[int] = []
+        self.scanned_for_ids: list[str] = []  # shards whose id range the index lacked (old index)
         total = 0
         for shard in idx["splits"][split]["shards"]:
             path = os.path.join(output_dir, shard["file"])
@@ -92,13 +102,38 @@ class PackedDataset:
             # A plain ndarray view of the memmap: slicing it skips np.memmap's per-slice bookkeeping.
             mm = np.memmap(path, dtype=self.dtype, mode="r", shape=(shard["num_tokens"],))
             self._shards.append(mm.view(np.ndarray))
+            self._check_id_range(path, shard, self._shards[-1], vocab_size)
             total += shard["num_tokens"]
+        if self.scanned_for_ids:
+            warnings.warn(
+                f"{self.index_path} records no token-id range for {len(self.scanned_for_ids)} {split!r} shard(s) "
+                "(written by an older megaroute), so they were scanned for ids >= the vocabulary; re-run "
+                "`megaroute data prepare` for this data.output_dir to record the ranges and skip the scan",
+                stacklevel=2)
         self.num_tokens = total
         if self.seq_len < 1 or total < self.seq_len + 1:
             raise DataError(
                 f"data.seq_len={self.seq_len}: a sample needs seq_len + 1 = {self.seq_len + 1} tokens but the "
                 f"{split!r} split of {output_dir} has {total}"
             )
+
+    def _check_id_range(self, path: str, shard: dict, data: np.ndarray, model_vocab: Optional[int]) -> None:
+        """Every id of the shard < the tokenizer's and the model's vocabulary, from the index's
+        `max_id` (free) or, for an index without one, from a scan of the shard."""
+        top = shard.get("max_id")
+        if top is None:
+            top = int(data.max()) if len(data) else -1
+            self.scanned_for_ids.append(path)
+            where = "found by scanning it"
+        else:
+            top = int(top)
+            where = f"max_id in {self.index_path}"
+        if model_vocab is not None and top >= model_vocab:
+            raise DataError(f"{path}: token ids reach {top} ({where}) >= model.vocab_size={model_vocab}; "
+                            "training on it would index past the embedding table")
+        if top >= self.vocab_size:
+            raise DataError(f"{path}: token ids reach {top} ({where}) >= vocab_size {self.vocab_size} of the "
+                            f"tokenizer in {self.index_path}: the shard was not made with this index's tokenizer")
 
     def _verify_tokenizer_file(self) -> None:
         path = os.path.join(self.output_dir, self.index["tokenizer"]["file"])
@@ -120,9 +155,14 @@ class PackedDataset:
         if verify == "full":
             if sha256_file(path) != shard["sha256"]:
                 raise DataError(f"{path}: sha256 checksum differs from {self.index_path} (corrupt shard)")
-            top = int(np.memmap(path, dtype=self.dtype, mode="r").max())
+            data = np.memmap(path, dtype=self.dtype, mode="r")
+            top = int(data.max()) if len(data) else -1
             if top >= self.vocab_size:
                 raise DataError(f"{path}: token id {top} >= vocab_size {self.vocab_size} from {self.index_path}")
+            recorded = (shard.get("min_id"), shard.get("max_id"))
+            if recorded != (None, None) and len(data) and recorded != (int(data.min()), top):
+                raise DataError(f"{path}: holds ids in [{int(data.min())}, {top}] but {self.index_path} records "
+                                f"min_id={recorded[0]}, max_id={recorded[1]}")
 
     def __len__(self) -> int:
         return (self.num_tokens - 1) // self.seq_len

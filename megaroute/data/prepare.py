@@ -2,7 +2,10 @@
 
 Output directory:
 
-    index.json                        the only entry point; written last with os.replace
+    index.json                        the only entry point; written last with os.replace. Each shard
+                                      entry records {file, num_tokens, sha256, min_id, max_id}: the id
+                                      range lets a loader reject ids >= the model's vocabulary without
+                                      reading the shard.
     tokenizer-<sha12>.model | .json   the tokenizer, named by its content hash
     train-00000-<sha12>.bin ...       raw little-endian uint16 (vocab <= 65536) or uint32 ids,
     val-00000-<sha12>.bin ...         readable with np.memmap; no header
@@ -41,7 +44,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..config.schema import DataConfig
 from . import INDEX_FILE, INDEX_VERSION, DataError
-from .ingest import Chunk, Corpus, open_corpus
+from .ingest import Chunk, Corpus, check_source, open_corpus
 from .tokenizers import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_from_bytes, train_sentencepiece
 
 SPLITS = ("train", "val")
@@ -76,6 +79,26 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
             shutil.rmtree(out, ignore_errors=True)
         raise
     return index
+
+
+def preflight(cfg: DataConfig) -> None:
+    """Cheap checks of what `prepare(cfg)` needs, for callers that prepare later (pretrain, after its
+    process group starts): the source exists, is not empty and decodes (`ingest.check_source`), a
+    `tokenizer.kind=file` tokenizer exists, and `output_dir` is (or can be created as) a writable
+    directory. Raises DataError naming the key and file; writes nothing."""
+    check_source(cfg)
+    if cfg.tokenizer.kind == "file" and not os.path.isfile(cfg.tokenizer.path):
+        raise DataError(f"data.tokenizer.path: {cfg.tokenizer.path} not found")
+    out = os.path.abspath(cfg.output_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"data.output_dir: {cfg.output_dir} exists and is not a directory")
+    existing = out
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DataError(f"data.output_dir: cannot create {cfg.output_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"data.output_dir: cannot write {cfg.output_dir}: {existing} is not writable")
 
 
 def assign_splits(num_chunks: int, val_fraction: float, seed: int) -> list[str]:
@@ -340,8 +363,13 @@ class _ShardWriter:
             if self._file is None:
                 self._tmp = os.path.join(self.directory, f"{self.split}-{len(self.shards):05d}.partial")
                 self._file, self._sha, self._count = open(self._tmp, "wb"), hashlib.sha256(), 0
-            take = tokens[: self.shard_tokens - self._count]
-            data = memoryview(np.ascontiguousarray(take, dtype=self.dtype)).cast("B")
+                self._min_id, self._max_id = None, None
+            take = np.ascontiguousarray(tokens[: self.shard_tokens - self._count], dtype=self.dtype)
+            if len(take):  # the id range of what is written, for the loader's cheap vocabulary check
+                low, high = int(take.min()), int(take.max())
+                self._min_id = low if self._min_id is None else min(self._min_id, low)
+                self._max_id = high if self._max_id is None else max(self._max_id, high)
+            data = memoryview(take).cast("B")
             self._file.write(data)
             self._sha.update(data)
             self._count += len(take)
@@ -367,7 +395,8 @@ class _ShardWriter:
         digest = self._sha.hexdigest()
         name = f"{self.split}-{len(self.shards):05d}-{digest[:12]}.bin"
         os.replace(self._tmp, os.path.join(self.directory, name))
-        self.shards.append({"file": name, "num_tokens": self._count, "sha256": digest})
+        self.shards.append({"file": name, "num_tokens": self._count, "sha256": digest,
+                            "min_id": self._min_id, "max_id": self._max_id})
 
 
 def _write_file(path: str, data: bytes) -> None:

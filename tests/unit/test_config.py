@@ -258,8 +258,22 @@ def test_yaml_merge_keys_still_work(tmp_path):
     assert (cfg.model.d_model, cfg.model.n_heads) == (64, 4)
 
 
-def test_empty_file_gives_defaults(tmp_path):
-    p = write(tmp_path / "empty.yaml", "")
+@pytest.mark.parametrize("text", ["", "\n\n", "# model:\n#   d_model: 64\n", "---\n"],
+                         ids=["empty", "blank-lines", "comments-only", "empty-document"])
+def test_empty_config_file_rejected_naming_the_file(tmp_path, text):
+    p = write(tmp_path / "empty.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["model.n_layers=2"])  # overrides do not make an empty file acceptable
+    assert p in str(e.value) and "is empty" in str(e.value)
+    # ... also as the parent of a non-empty file, which is then the one named
+    child = write(tmp_path / "child.yaml", "base: empty.yaml\nname: c\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(child)
+    assert p in str(e.value) and "is empty" in str(e.value)
+
+
+def test_explicit_empty_mapping_gives_defaults(tmp_path):
+    p = write(tmp_path / "defaults.yaml", "{}  # all defaults\n")
     assert load_config(p) == Config().validate()
     assert load_config(None) == Config()
 

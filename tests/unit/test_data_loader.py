@@ -255,3 +255,71 @@ def test_loader_config_errors(prepared):
     other = PackedDataset(ds.output_dir, "train", seq_len=SEQ * 2)
     with pytest.raises(DataError, match="saved for .* samples but the dataset now has"):
         SequenceLoader(other, 4, 16, dp_rank=0, dp_size=2).load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------
+# Token-id range (recorded per shard by prepare, checked on every load without reading shards)
+
+
+def write_index(path: str, index: dict) -> None:
+    with open(f"{path}/index.json", "w") as f:
+        json.dump(index, f)
+
+
+def test_shard_ids_beyond_model_vocab_rejected_from_the_index(tmp_path, prepared):
+    out = copy_prepared(prepared, tmp_path / "d")
+    index = index_of(out)
+    vocab = index["vocab_size"]
+    shard = index["splits"]["train"]["shards"][2]
+    # Only the index says so (the shard bytes are unchanged): the check reads the index, not the data.
+    shard["max_id"] = vocab + 5
+    write_index(out, index)
+    with pytest.raises(DataError, match=rf"{shard['file']}: token ids reach {vocab + 5} \(max_id in .*index.json\) "
+                                        rf">= model.vocab_size={vocab + 2}"):
+        PackedDataset(out, "train", seq_len=SEQ, vocab_size=vocab + 2)
+    PackedDataset(out, "val", seq_len=SEQ, vocab_size=vocab + 2)  # the val shards are fine
+
+
+def test_shard_made_with_another_tokenizer_rejected(tmp_path, prepared):
+    # An index whose tokenizer is smaller than its shards' ids (e.g. shards copied in from another
+    # prepare): the tokenizer fits the model, the shards do not fit the tokenizer.
+    out = copy_prepared(prepared, tmp_path / "d")
+    index = index_of(out)
+    first = index["splits"]["train"]["shards"][0]
+    index["vocab_size"] = first["max_id"]
+    write_index(out, index)
+    with pytest.raises(DataError, match=rf"{first['file']}: token ids reach {first['max_id']} .*>= vocab_size "
+                                        rf"{first['max_id']} of the tokenizer in .*index.json"):
+        PackedDataset(out, "train", seq_len=SEQ, vocab_size=1000)
+
+
+def test_old_index_without_id_ranges_is_scanned(tmp_path, prepared):
+    out = copy_prepared(prepared, tmp_path / "d")
+    index = index_of(out)
+    vocab = index["vocab_size"]
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            del shard["min_id"], shard["max_id"]
+    write_index(out, index)
+    with pytest.warns(UserWarning, match=r"records no token-id range .* re-run `megaroute data prepare`"):
+        ds = PackedDataset(out, "train", seq_len=SEQ, vocab_size=vocab)
+    assert ds.scanned_for_ids == ds.files
+    shard = index["splits"]["train"]["shards"][1]["file"]
+    data = np.fromfile(f"{out}/{shard}", dtype=np.uint16)
+    data[5] = vocab
+    data.tofile(f"{out}/{shard}")
+    with pytest.raises(DataError, match=rf"{shard}: token ids reach {vocab} \(found by scanning it\) "
+                                        rf">= model.vocab_size={vocab}"):
+        PackedDataset(out, "train", seq_len=SEQ, vocab_size=vocab)
+
+
+def test_full_verify_checks_the_recorded_id_range(tmp_path, prepared):
+    out = copy_prepared(prepared, tmp_path / "d")
+    index = index_of(out)
+    shard = index["splits"]["val"]["shards"][0]
+    shard["max_id"] -= 1  # understated: the cheap check would miss an id the index does not admit to
+    write_index(out, index)
+    PackedDataset(out, "val", seq_len=SEQ)
+    with pytest.raises(DataError, match=rf"{shard['file']}: holds ids in \[\d+, {shard['max_id'] + 1}\] but .* "
+                                        rf"records min_id=\d+, max_id={shard['max_id']}"):
+        PackedDataset(out, "val", seq_len=SEQ, verify="full")

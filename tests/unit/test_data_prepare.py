@@ -66,6 +66,8 @@ def test_index_describes_shards_and_stream_is_the_text(tmp_path, corpus):
     for split in ("train", "val"):
         for shard in index["splits"][split]["shards"]:
             assert (out / shard["file"]).stat().st_size == 2 * shard["num_tokens"]
+            ids = np.fromfile(out / shard["file"], dtype=np.uint16)  # the id range the loader checks cheaply
+            assert (shard["min_id"], shard["max_id"]) == (int(ids.min()), int(ids.max()))
     assert set(os.listdir(out)) == {"index.json", index["tokenizer"]["file"],
                                     *(s["file"] for sp in index["splits"].values() for s in sp["shards"])}
 
@@ -216,6 +218,97 @@ def test_undecodable_bytes_strict_mode_names_file_and_offset(tmp_path):
     path, offset = _with_bad_bytes(tmp_path)
     with pytest.raises(DataError, match=rf"bad.txt: invalid UTF-8 at byte offset {offset} .*data.decode_errors=replace"):
         prep.prepare(config(path, tmp_path / "out", decode_errors="strict"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_strict_utf8_scan_names_the_offset_across_block_boundaries(tmp_path, monkeypatch):
+    import megaroute.data.ingest as ingest
+
+    path, offset = _with_bad_bytes(tmp_path)
+    for block in (7, 4096, 1 << 20):  # 7: the truncated 3-byte sequence straddles blocks
+        monkeypatch.setattr(ingest, "_SCAN_BLOCK_BYTES", block)
+        with pytest.raises(DataError, match=rf"bad.txt: invalid UTF-8 at byte offset {offset} .*decode_errors=replace"):
+            ingest.check_source(config(path, tmp_path / "out", decode_errors="strict"))
+    # The same offset for a sequence cut by the end of the file (an incomplete final character).
+    good = make_text(5000).encode()
+    (tmp_path / "cut.txt").write_bytes(good + "é".encode()[:1])
+    monkeypatch.setattr(ingest, "_SCAN_BLOCK_BYTES", 64)
+    with pytest.raises(DataError, match=rf"cut.txt: invalid UTF-8 at byte offset {len(good)} "):
+        ingest.check_source(config(tmp_path / "cut.txt", tmp_path / "out", decode_errors="strict"))
+    ingest.check_source(config(path, tmp_path / "out", decode_errors="replace"))  # replace mode: by design, fine
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", ["replace", "strict"])
+def test_binary_file_is_not_text_in_either_mode(tmp_path, mode):
+    import gzip
+
+    import megaroute.data.ingest as ingest
+
+    gz = tmp_path / "corpus.txt.gz"
+    gz.write_bytes(gzip.compress(make_text(50_000).encode()))
+    for check in (lambda c: ingest.check_source(c), lambda c: prep.prepare(c, progress=False)):
+        with pytest.raises(DataError, match=r"data.source: .*corpus.txt.gz is not a text file \(gzip-compressed"):
+            check(config(gz, tmp_path / "out", decode_errors=mode))
+    shard = tmp_path / "shards" / "train-00000.bin"  # e.g. data.source pointed at prepared output
+    shard.parent.mkdir()
+    np.arange(60_000, dtype=np.uint16).tofile(shard)
+    with pytest.raises(DataError, match=r"train-00000.bin is not a text file \(binary: NUL byte at offset 0\)"):
+        ingest.check_source(config(shard.parent, tmp_path / "out", decode_errors=mode))
+
+
+def test_structured_inputs_undecodable(tmp_path):
+    import gzip
+
+    import megaroute.data.ingest as ingest
+
+    # JSONL with invalid UTF-8: datasets loads it and fails only on access, with a bare
+    # UnicodeDecodeError; both the pre-flight check and prepare name the file and offset.
+    lines = b"".join(b'{"text": "%s"}\n' % make_text(200, seed=i).replace("\n", " ").encode() for i in range(200))
+    bad = lines + b'{"text": "bad \xff byte"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(bad)
+    for check in (lambda c: ingest.check_source(c), lambda c: prep.prepare(c, progress=False)):
+        with pytest.raises(DataError,
+                           match=rf"bad.jsonl: invalid UTF-8 at byte offset {len(lines) + 14} .*JSON must be UTF-8"):
+            check(config(tmp_path / "bad.jsonl", tmp_path / "out"))
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(bad))
+    with pytest.raises(DataError, match=rf"bad.jsonl.gz: invalid UTF-8 at byte offset {len(lines) + 14} "):
+        ingest.check_source(config(tmp_path / "bad.jsonl.gz", tmp_path / "out"))
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:-20])
+    with pytest.raises(DataError, match=r"data.source: could not read .*cut.jsonl.gz: EOFError"):
+        ingest.check_source(config(tmp_path / "cut.jsonl.gz", tmp_path / "out"))
+    (tmp_path / "good.jsonl").write_bytes(lines)
+    ingest.check_source(config(tmp_path / "good.jsonl", tmp_path / "out"))
+
+    (tmp_path / "fake.parquet").write_text("this is not parquet\n" * 10)
+    (tmp_path / "fake.arrow").write_text("nor is this arrow\n" * 10)
+    for name, fmt in (("fake.parquet", "parquet"), ("fake.arrow", "arrow")):
+        for check in (lambda c: ingest.check_source(c), lambda c: prep.prepare(c, progress=False)):
+            with pytest.raises(DataError, match=rf"data.source: .*{name} is not a readable {fmt} file"):
+                check(config(tmp_path / name, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_source_rejects_what_prepare_rejects_without_writing(tmp_path):
+    import datasets
+
+    import megaroute.data.ingest as ingest
+
+    (tmp_path / "empty.txt").touch()
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "empty.jsonl").touch()
+    cases = [(tmp_path / "nope.txt", r"'.*nope.txt' does not exist"), (tmp_path / "empty.txt", "input is empty"),
+             (tmp_path / "emptydir", "contains no files"), (tmp_path / "*.parquet", "no files match"),
+             (tmp_path / "empty.jsonl", r"input is empty: .*empty.jsonl")]
+    for source, message in cases:
+        with pytest.raises(DataError, match=message):
+            ingest.check_source(config(source, tmp_path / "out"))
+    src = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"body": ["some text"] * 10}).to_parquet(str(src))
+    with pytest.raises(DataError, match=r"data.text_field: column 'text' not found in .*docs.parquet "
+                                        r"\(columns: body\)"):
+        ingest.check_source(config(src, tmp_path / "out"))
+    ingest.check_source(config(src, tmp_path / "out", text_field="body"))
     assert not (tmp_path / "out").exists()
 
 
