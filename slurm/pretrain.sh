@@ -1,5 +1,5 @@
 #!/bin/bash
-# Multi-node pretraining under Slurm: one process per GPU via srun, requeue on preemption.
+# Multi-node pretraining under Slurm: one process per GPU via srun, checkpoint on stop, requeue before the time limit.
 #
 #   sbatch -N 4 --gpus-per-node=8 slurm/pretrain.sh [--gpu a100|v100|cpu] --config configs/mod_1b.yaml [key=value ...]
 #
@@ -8,9 +8,12 @@
 # id (stable across requeues, distinct between jobs sharing a node). --gpu a100 trains in bf16,
 # v100 (no bf16) in fp16 with loss scaling; an explicit train.precision=... override wins.
 # Logs: <run_dir>/logs/<job>-r<restart>-rank<N>.log, one file per rank.
-# Preemption: Slurm signals this shell (--signal=B:USR1@300, or SIGTERM on preemption/scancel);
-# the trap forwards it to every rank; training checkpoints and exits 75; we `scontrol requeue`;
-# the requeued job resumes from the checkpoint (checkpoint.resume=auto).
+# Time limit: --signal=B:USR1@300 signals this shell; the trap forwards it to every rank; training
+# checkpoints and exits 75; we `scontrol requeue`; the requeued job resumes from the checkpoint
+# (checkpoint.resume=auto). SIGTERM (scancel, preemption, `scontrol requeue`) also makes the ranks
+# checkpoint and exit 75, but we never requeue after it: Slurm decides (cancelled stays cancelled,
+# a requeue by Slurm or preemption with PreemptMode=REQUEUE resumes). The ranks have KillWait
+# seconds between SIGTERM and SIGKILL to checkpoint.
 #SBATCH --job-name=megaroute
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -53,13 +56,15 @@ restart=${SLURM_RESTART_COUNT:-0}
 echo "pretrain.sh: job $SLURM_JOB_ID restart $restart on ${#nodes[@]} node(s) ${SLURM_JOB_NODELIST}," \
      "master $MASTER_ADDR:$MASTER_PORT, --gpu $gpu, logs in $log_dir"
 
+terminated=0  # set on SIGTERM: the job is being ended (or requeued) by Slurm, so never requeue it ourselves
 forward() {
   echo "pretrain.sh: got SIG$1, forwarding to the ranks (checkpoint, then exit $EXIT_REQUEUE)"
   # scancel without --batch signals the job's steps, i.e. every rank on every node, not this shell.
-  scancel --quiet --signal="$1" "$SLURM_JOB_ID" || kill -s "$1" "$srun_pid" 2>/dev/null || true
+  # Bounded: while Slurm requeues the job, scancel retries for a minute, and the trap would block us.
+  timeout 10 scancel --quiet --signal="$1" "$SLURM_JOB_ID" || kill -s "$1" "$srun_pid" 2>/dev/null || true
 }
 trap 'forward USR1' USR1
-trap 'forward TERM' TERM
+trap 'terminated=1; forward TERM' TERM
 
 # Backgrounded + wait: bash runs traps only between commands, and `wait` returns early on one.
 # Exit 75 counts as "bad" to Slurm, so no --kill-on-bad-exit: rank 0 may still be closing its
@@ -71,7 +76,11 @@ while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done
 rc=0
 wait "$srun_pid" || rc=$?
 
-if [[ $rc == "$EXIT_REQUEUE" ]]; then
+if [[ $rc == "$EXIT_REQUEUE" && $terminated == 1 ]]; then
+  echo "pretrain.sh: checkpointed after SIGTERM; not requeueing (a cancel ends the job, a requeue by Slurm resumes it)"
+  exit "$rc"
+fi
+if [[ $rc == "$EXIT_REQUEUE" ]]; then  # USR1 (time limit ahead) or train.exit_interval
   echo "pretrain.sh: checkpointed after a stop signal; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0

@@ -31,6 +31,10 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Asks for a stop as if `signum` had arrived (e.g. the launcher died)."""
+        self.received = signum
+
     @property
     def requested(self) -> bool:
         return self.received is not None

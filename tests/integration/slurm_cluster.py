@@ -80,7 +80,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 # Requeued jobs become eligible at once, and finished jobs stay visible to scontrol for a while.
 MinJobAge=600
-KillWait=5
+# Seconds from SIGTERM to SIGKILL when a job is cancelled: the ranks checkpoint and exit in between.
+# Slurm's default; 5 s is too short on a loaded 2-core machine.
+KillWait=30
 InactiveLimit=0
 {nodes}
 PartitionName=debug Nodes={",".join(node_ports)} Default=YES MaxTime=INFINITE State=UP

@@ -91,7 +91,11 @@ def test_two_node_pretrain(cluster, mlflow_server, job_env, char_data, tmp_path)
     assert tags["world_size"] == "2" and tags["slurm_job_id"] == str(job), tags
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, job_env, char_data, tmp_path):
+# usr1: what `--signal=B:USR1@300` does five minutes before the time limit (the batch shell only;
+# pretrain.sh requeues). requeue: `scontrol requeue` (SIGTERM to everything; Slurm requeues, the
+# script must not requeue again).
+@pytest.mark.parametrize("stop", ["usr1", "requeue"])
+def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, job_env, char_data, tmp_path, stop):
     steps = 200  # ~20 s of training: the signal lands after step 20, the resumed run finishes the rest
     args = _pretrain_args(tmp_path, char_data, mlflow_server, "preempt", f"train.max_steps={steps}",
                           "checkpoint.interval=100000", "train.log_interval=50")
@@ -99,8 +103,10 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
                           *args], cwd=REPO, env=job_env)
     run_dir = tmp_path / "runs/preempt"
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 20, timeout=180)
-    # What `--signal=B:USR1@300` does five minutes before the time limit: signal the batch shell only.
-    cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
+    if stop == "usr1":
+        cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
+    else:
+        cluster.run(["scontrol", "requeue", str(job)])
     # slurmctld holds a requeued job back (its begin time moves about two minutes ahead, against
     # requeue loops); release it sooner so the test times our checkpoint/resume, not that hold.
     # Not at once: slurmd revokes the killed run's credentials with one-second resolution, and a
@@ -114,7 +120,11 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     info = cluster.job(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out + cluster.logs()
     assert info["Restarts"] == "1", info
-    assert "forwarding to the ranks" in out and f"requeueing job {job}" in out, out
+    assert "forwarding to the ranks" in out, out
+    if stop == "usr1":
+        assert "got SIGUSR1" in out and f"requeueing job {job}" in out, out
+    else:
+        assert "got SIGTERM" in out and "not requeueing" in out and f"requeueing job {job}" not in out, out
 
     first = (run_dir / "logs" / f"{job}-r0-rank0.log").read_text()
     second = (run_dir / "logs" / f"{job}-r1-rank0.log").read_text()
@@ -128,6 +138,36 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     assert sorted(read_metrics(run_dir)) == list(range(1, steps + 1))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len([x for x in lines if x["kind"] == "train"]) == steps
+
+
+def test_scancel_checkpoints_and_cancels_without_requeue(cluster, mlflow_server, job_env, char_data, tmp_path):
+    """A plain `scancel` (SIGTERM to the steps and the batch shell, SIGKILL after KillWait) ends the
+    job: the ranks checkpoint the step they are at, and nothing requeues it."""
+    args = _pretrain_args(tmp_path, char_data, mlflow_server, "cancel", "train.max_steps=100000",
+                          "checkpoint.interval=100000", "train.log_interval=50")
+    job = cluster.sbatch(["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out",
+                          *args], cwd=REPO, env=job_env)
+    run_dir = tmp_path / "runs/cancel"
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 10, timeout=180)
+    cluster.run(["scancel", str(job)])
+    # Done means out of squeue; a requeued job would come back PENDING with Restarts=1 instead.
+    wait_for(lambda: cluster.job(job).get("Restarts") != "0" or not any(
+        line.split()[0] == str(job) for line in cluster.squeue()), timeout=120, interval=0.5)
+    time.sleep(3)  # a late `scontrol requeue` from the batch script would land within this
+
+    out = (tmp_path / f"{job}.out").read_text()
+    info = cluster.job(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, out, cluster.logs())
+    assert "got SIGTERM" in out and "not requeueing" in out and f"requeueing job {job}" not in out, out
+    assert not (run_dir / "logs" / f"{job}-r1-rank0.log").exists()
+    first = (run_dir / "logs" / f"{job}-r0-rank0.log").read_text()
+    m = re.search(r"training stopped at step (\d+): signal", first)
+    assert m and int(m.group(1)) >= 10, first
+    stopped_at = int(m.group(1))
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    runs = _client(mlflow_server).search_runs(
+        [_client(mlflow_server).get_experiment_by_name("slurm-tests").experiment_id], "attributes.run_name = 'cancel'")
+    assert len(runs) == 1 and runs[0].info.status == "KILLED", runs
 
 
 def test_sweep_plan_budgets_within_one_percent():
