@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install demo test system-deps clean
+.PHONY: install demo test gpu-check system-deps clean
 
 install: $(STAMP)
 
@@ -31,6 +31,21 @@ demo: install
 
 test: install system-deps
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The CUDA smoke suite (tests/cuda + the CUDA tests elsewhere) and the GPU benchmarks, on one GPU.
+# Fails, rather than passing with every test skipped, when torch sees no CUDA device: on a GPU
+# machine `pip install torch==2.13.0` from PyPI is the CUDA build; a venv copied from a CPU
+# machine keeps its CPU build (make clean, then make gpu-check).
+GPU_PYTEST_ARGS ?= -ra
+gpu-check: install
+	@$(PY) -c 'import sys, torch; ok = torch.cuda.is_available(); \
+	  print(f"gpu-check: torch {torch.__version__}, CUDA {torch.version.cuda}, " \
+	        + (torch.cuda.get_device_name() if ok else "no CUDA device")); \
+	  sys.exit(0 if ok else "gpu-check: no CUDA device visible to torch" \
+	           + (" (CPU-only build: make clean && make gpu-check)" if torch.version.cuda is None else ""))'
+	MEGAROUTE_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda tests $(GPU_PYTEST_ARGS)
+	$(PY) -m megaroute.bench.step --device cuda
+	$(PY) -m megaroute.kernels.bench --dtype bfloat16 float16 float32
 
 clean:
 	rm -rf $(VENV) runs *.egg-info data/prepared

@@ -3,7 +3,8 @@
     python -m megaroute.kernels.bench [--batch 8 --seq-len 2048 --capacity 0.125 --d 2048 4096]
 
 CUDA: achieved GB/s of each fused kernel (bytes it must move / time) against the device's peak
-memory bandwidth (target >= 80% at D >= 2048), and its speedup over the unfused PyTorch chain.
+memory bandwidth (target >= 80% at D >= 2048) and against a measured device-to-device copy, and
+its speedup over the unfused PyTorch chain; `--dtype bfloat16 float16 float32` for all three.
 
 CPU: the share of a routed block's time spent in dispatch on the PyTorch path (target <= 5%):
 a MoD layer's training step (forward + backward) and a depth-gate layer's single-path inference,
@@ -35,10 +36,35 @@ GPU_TARGET = 0.80
 # ----------------------------------------------------------------------------------------- CUDA
 
 
-def _peak_gbs(device: torch.device) -> float | None:
+# Datasheet HBM bandwidth (GB/s), matched as substrings of the device name, most specific first:
+# the fallback where the driver reports no memory clock (CUDA 13 dropped it from cudaDeviceProp).
+PEAK_GBS = (
+    ("H100 PCIe", 2000), ("H100 NVL", 3900), ("H200", 4800), ("H100", 3350),
+    ("A100 80GB PCIe", 1935), ("A100-SXM4-80GB", 2039), ("A100", 1555), ("V100", 900),
+)
+
+
+def _peak_gbs(device: torch.device) -> tuple[float | None, str]:
+    """-> (peak GB/s, where the figure comes from)."""
     props = torch.cuda.get_device_properties(device)
     clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz and bus_bits else None  # DDR: 2 per clock
+    if clock_khz and bus_bits:  # DDR: two transfers per clock
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "memory clock x bus width"
+    for key, gbs in PEAK_GBS:
+        if key.lower() in props.name.lower():
+            return float(gbs), "datasheet"
+    return None, "unknown device"
+
+
+def _copy_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Achievable bandwidth: a device-to-device copy of nbytes (read + write)."""
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def _unfused(B, T, D):
@@ -54,46 +80,54 @@ def _unfused(B, T, D):
 
 
 def bench_cuda(args) -> None:
+    import triton
     from triton.testing import do_bench
 
     device = torch.device("cuda")
     ops = resolve("triton", device)
-    peak = args.peak_gbs or _peak_gbs(device)
-    print(f"{torch.cuda.get_device_name(device)}: peak {peak or float('nan'):.0f} GB/s"
-          f"{' (from memory clock x bus width)' if not args.peak_gbs else ''}")
-    dtype = getattr(torch, args.dtype)
-    es = torch.finfo(dtype).bits // 8
+    peak, source = (args.peak_gbs, "--peak-gbs") if args.peak_gbs else _peak_gbs(device)
+    copy = _copy_gbs(device)
+    print(f"{torch.cuda.get_device_name(device)}: peak {peak or float('nan'):.0f} GB/s ({source}); "
+          f"measured copy {copy:.0f} GB/s; triton {triton.__version__}, torch {torch.__version__}")
     B, T = args.batch, args.seq_len
     k = max(1, round(args.capacity * T))
-    for D in args.d:
-        x = torch.randn(B, T, D, device=device, dtype=dtype)
-        idx = torch.rand(B, T, device=device).topk(k, dim=1).indices.sort(dim=1).values
-        g, delta = torch.rand(B, k, device=device, dtype=dtype), torch.randn(B, k, D, device=device, dtype=dtype)
-        slot, n_full = ref.path_slots(torch.rand(B, T, device=device) < 0.5)
-        y = torch.randn(B * T, D, device=device, dtype=dtype)
-        w = torch.ones(B, T, device=device, dtype=dtype)
-        combine_out = torch.randn(B, T, D, device=device, dtype=dtype)
-        unfused = _unfused(B, T, D)
-        cases = {  # name: (fused, unfused, bytes the op must move)
-            "gather": (lambda: ops.gather(x, idx), lambda: unfused["gather"](x, idx), 2 * B * k * D * es),
-            "combine fwd": (lambda: ops.combine(x, idx, g, delta), lambda: unfused["combine"](x, idx, g, delta),
-                            (2 * B * T * D + B * k * D) * es),
-            "combine bwd": (lambda: ops.tk.combine_bwd(combine_out, idx, g, delta, need_grad_g=True),
-                            lambda: (g.unsqueeze(-1) * ref.gather(combine_out, idx),
-                                     (ref.gather(combine_out, idx) * delta).sum(-1)),
-                            3 * B * k * D * es),
-            "permute": (lambda: ops.permute(x, slot), lambda: unfused["permute"](x, slot), 2 * B * T * D * es),
-            "unpermute": (lambda: ops.unpermute(x, slot, w, y[:n_full], y[n_full:]),
-                          lambda: unfused["unpermute"](x, slot, w, y[:n_full], y[n_full:]), 3 * B * T * D * es),
-        }
-        print(f"\nB={B} T={T} k={k} D={D} {args.dtype}")
-        for name, (fused, chain, nbytes) in cases.items():
-            t_fused, t_chain = do_bench(fused), do_bench(chain)  # ms
-            gbs = nbytes / (t_fused * 1e-3) / 1e9
-            share = f"{gbs / peak:6.1%} of peak" if peak else ""
-            ok = "" if not peak or D < 2048 else ("  ok" if gbs / peak >= GPU_TARGET else "  BELOW TARGET")
-            print(f"  {name:12s} {t_fused * 1e3:8.1f} us  {gbs:7.0f} GB/s {share}  "
-                  f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us){ok}")
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        es = torch.finfo(dtype).bits // 8
+        for D in args.d:
+            _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak, copy)
+            torch.cuda.empty_cache()
+
+
+def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak, copy) -> None:
+    x = torch.randn(B, T, D, device=device, dtype=dtype)
+    idx = torch.rand(B, T, device=device).topk(k, dim=1).indices.sort(dim=1).values
+    g, delta = torch.rand(B, k, device=device, dtype=dtype), torch.randn(B, k, D, device=device, dtype=dtype)
+    slot, n_full = ref.path_slots(torch.rand(B, T, device=device) < 0.5)
+    y = torch.randn(B * T, D, device=device, dtype=dtype)
+    w = torch.ones(B, T, device=device, dtype=dtype)
+    combine_out = torch.randn(B, T, D, device=device, dtype=dtype)
+    unfused = _unfused(B, T, D)
+    cases = {  # name: (fused, unfused, bytes the op must move)
+        "gather": (lambda: ops.gather(x, idx), lambda: unfused["gather"](x, idx), 2 * B * k * D * es),
+        "combine fwd": (lambda: ops.combine(x, idx, g, delta), lambda: unfused["combine"](x, idx, g, delta),
+                        (2 * B * T * D + B * k * D) * es),
+        "combine bwd": (lambda: ops.tk.combine_bwd(combine_out, idx, g, delta, need_grad_g=True),
+                        lambda: (g.unsqueeze(-1) * ref.gather(combine_out, idx),
+                                 (ref.gather(combine_out, idx) * delta).sum(-1)),
+                        3 * B * k * D * es),
+        "permute": (lambda: ops.permute(x, slot), lambda: unfused["permute"](x, slot), 2 * B * T * D * es),
+        "unpermute": (lambda: ops.unpermute(x, slot, w, y[:n_full], y[n_full:]),
+                      lambda: unfused["unpermute"](x, slot, w, y[:n_full], y[n_full:]), 3 * B * T * D * es),
+    }
+    print(f"\nB={B} T={T} k={k} D={D} {dtype_name}")
+    for name, (fused, chain, nbytes) in cases.items():
+        t_fused, t_chain = do_bench(fused), do_bench(chain)  # ms
+        gbs = nbytes / (t_fused * 1e-3) / 1e9
+        share = f"{gbs / peak:6.1%} of peak, " if peak else ""
+        ok = "" if not peak or D < 2048 else ("  ok" if gbs / peak >= GPU_TARGET else "  BELOW TARGET")
+        print(f"  {name:12s} {t_fused * 1e3:8.1f} us  {gbs:7.0f} GB/s ({share}{gbs / copy:6.1%} of copy)  "
+              f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us){ok}")
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -167,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--capacity", type=float, default=0.125)
     p.add_argument("--d", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16"])
     p.add_argument("--peak-gbs", type=float, default=None, help="override the device's peak bandwidth")
     p.add_argument("--cpu-batch", type=int, default=2)
     p.add_argument("--cpu-seq-len", type=int, default=512)

@@ -31,7 +31,8 @@ from ..config import Config, ConfigError, load_config
 from ..train.checkpoint import LATEST, MANIFEST, TAG_RE
 
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
-ZERO3_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
+# A bf16 engine prefixes its optimizer partitions: bf16_zero_pp_rank_D_mp_rank_XX_optim_states.pt.
+ZERO3_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 
 
 class ConversionError(RuntimeError):
@@ -124,17 +125,18 @@ def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = No
     _check_manifest(tag_dir)
     tp = cfg.parallel.tp
     names = os.listdir(tag_dir)
-    zero3 = {m.groups() for n in names if (m := ZERO3_RE.match(n))}
+    zero3 = {m.groups(): n for n in names if (m := ZERO3_RE.match(n))}
     if not any(kind == "model" for _, _, kind in zero3):
-        zero3 = set()  # ZeRO 1/2 also write zero_pp_rank_* optimizer files; only ZeRO-3 writes model ones
+        zero3 = {}  # ZeRO 1/2 also write zero_pp_rank_* optimizer files; only ZeRO-3 writes model ones
     if zero3:
         dp = 1 + max(int(d) for d, _, _ in zero3)
         files = []
         for mp in range(tp):
             for d in range(dp):
                 for kind in ("model", "optim"):
-                    name = f"zero_pp_rank_{d}_mp_rank_{mp:02d}_{kind}_states.pt"
-                    if (str(d), f"{mp:02d}", kind) not in zero3:
+                    name = zero3.get((str(d), f"{mp:02d}", kind))
+                    if name is None:
+                        name = f"zero_pp_rank_{d}_mp_rank_{mp:02d}_{kind}_states.pt"
                         raise ConversionError(f"{os.path.join(tag_dir, name)}: missing ZeRO-3 shard "
                                               f"(parallel.tp={tp}, {dp} data-parallel ranks)")
                     files.append(os.path.join(tag_dir, name))

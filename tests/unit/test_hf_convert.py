@@ -222,6 +222,22 @@ def test_clear_errors(make_run, tmp_path, char_tok):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
+def test_zero3_shards_of_a_bf16_engine_are_found(make_run):
+    """A bf16 engine names its ZeRO-3 optimizer partitions bf16_zero_pp_rank_*: still ZeRO-3 shards."""
+    from megaroute.hf.reader import locate
+    from megaroute.train.checkpoint import write_manifest
+
+    run, _, _ = make_run("optim.zero_stage=3", "train.precision=bf16")
+    tag_dir = os.path.join(run, "checkpoints", "step_00000003")
+    os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        open(os.path.join(tag_dir, name), "wb").close()
+    write_manifest(tag_dir, 3)
+    src = locate(run)
+    assert src.zero3 and [os.path.basename(f) for f in src.files] == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
 def test_cli_reports_errors(make_run, tmp_path, char_tok, capsys):
     from megaroute.cli import main
 

@@ -1,0 +1,43 @@
+"""`python -m megaroute.bench.step --device cuda` end to end at a small shape (the 157m figures
+come from `make gpu-check`): CUDA-event timing, TFLOP/s, MFU and KV-cache sampling all print."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaroute.bench import step
+
+pytestmark = pytest.mark.cuda
+
+
+def test_step_benchmark_on_cuda_prints_mfu_and_sampling_speed(capsys):
+    assert step.main(["--device", "cuda", "--shape", "small", "--steps", "2", "--warmup", "1", "--batch", "2", "4",
+                      "--seq-len", "128", "--precision", "bf16", "fp16", "--new-tokens", "8",
+                      *([] if _known_gpu() else ["--peak-tflops", "100"])]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step-time ratio mod/dense") == 4  # two precisions x two micro-batches
+    assert out.count("TFLOP/s  MFU") == 8 and "MFU    n/a" not in out
+    assert "measured bf16 matmul" in out and "measured fp16 matmul" in out
+    for name in ("dense", "mod", "mod_calibrated"):
+        assert f"  {name:<14} " in out and "tokens/s" in out
+    assert "mod_calibrated / dense sampling speed" in out
+
+
+def test_cuda_trainer_step_updates_parameters_and_times_phases():
+    trainer = step.make_trainer(step.VARIANTS["mod"], "bf16", batch=2, seq_len=64, device="cuda")
+    before = trainer.model.layers[1].router.weight.detach().clone()
+    phases = trainer.step()
+    assert set(phases) == set(step.PHASES) and all(t > 0 for t in phases.values())
+    assert trainer.model.layers[1].router.weight.is_cuda
+    assert not trainer.model.layers[1].router.weight.detach().equal(before)
+
+
+def _known_gpu() -> bool:
+    from megaroute.flops import peak_flops
+
+    try:
+        peak_flops(torch.cuda.get_device_name())
+        return True
+    except ValueError:
+        return False

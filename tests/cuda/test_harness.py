@@ -1,0 +1,66 @@
+"""The CUDA smoke suite's own harness, checked on CPU (no device, a few seconds): every case of
+the matrix is a valid config, the one-GPU launch command is what the suite claims, and the suite
+collects without errors under `-m cuda`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from megaroute.config import load_config
+
+from . import harness as h
+
+
+def test_matrix_covers_every_method_precision_zero_stage_and_checkpointing():
+    ids = [c.id for c in h.CASES]
+    assert len(ids) == len(set(ids))
+    assert {c.method for c in h.CASES} == set(h.METHODS)
+    for method in ("dense", "mod"):
+        assert {(c.precision, c.zero) for c in h.CASES if c.method == method and not c.act_ckpt} == \
+            {(p, z) for p in ("bf16", "fp16") for z in (1, 2, 3)}
+    assert {c.zero for c in h.CASES if c.act_ckpt} == {1, 2, 3}
+
+
+def test_every_case_is_a_valid_config(tmp_path):
+    for case in h.CASES:
+        args = h.run_args(tmp_path, str(tmp_path / "data"), case.id, *case.overrides(), *h.SCHEDULE)
+        config, overrides = args[1], args[2:]
+        cfg = load_config(config, overrides)
+        assert cfg.train.precision == case.precision and cfg.optim.zero_stage == case.zero
+        assert cfg.parallel.activation_checkpointing == case.act_ckpt
+        assert cfg.train.max_steps == h.MAX_STEPS and cfg.train.exit_interval == h.STOP_AT
+        assert cfg.train.eval_interval == h.STOP_AT and cfg.checkpoint.interval == h.STOP_AT
+        assert not cfg.tracking.enabled
+
+
+def test_launch_command_runs_one_gpu_without_cpu_overrides():
+    args = ["--config", "c.yaml", "x=1"]
+    env = {"PATH": "/bin", "DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1"}
+    cmd, out_env = h.gpu_launch_command("launcher/pretrain.py", args, env)
+    assert cmd[0].endswith("deepspeed") and cmd[1:3] == ["--num_gpus", "1"] and cmd[-4:] == ["launcher/pretrain.py", *args]
+    assert "DS_ACCELERATOR" not in out_env and "TRITON_INTERPRET" not in out_env and out_env["PYTHONUNBUFFERED"] == "1"
+
+    cmd, out_env = h.gpu_launch_command("p.py", args, {**env, "CUDA_VISIBLE_DEVICES": "3,5"})
+    assert cmd[1:3] == ["--include", "localhost:3"] and "CUDA_VISIBLE_DEVICES" not in out_env
+    cmd, out_env = h.gpu_launch_command("p.py", args, {"CUDA_VISIBLE_DEVICES": "GPU-0f3e"})
+    assert cmd[1:3] == ["--num_gpus", "1"]
+
+
+def test_checkpoint_device_probe_reads_locations_without_loading(tmp_path):
+    path = tmp_path / "s.pt"
+    torch.save({"module": {"w": torch.ones(2)}}, path)
+    assert h.storage_locations(path) == {"cpu"}
+
+
+def test_suite_collects_under_the_cuda_marker():
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                          str(h.REPO / "tests/cuda")], cwd=h.REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    collected = [line for line in res.stdout.splitlines() if "::" in line]
+    assert sum("test_launcher.py::" in line for line in collected) == len(h.CASES)
+    for module in ("test_kernels_cuda.py", "test_model_cuda.py", "test_hf_cuda.py", "test_bench_cuda.py"):
+        assert any(module in line for line in collected), module
+    assert not any("test_harness.py" in line for line in collected)  # this module runs everywhere
