@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig, RoutingConfig
+from ..parallel import collectives
 from ..routing.dispatch import capacity_k
 
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
@@ -86,12 +87,12 @@ def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, s
     data = torch.randint(0, SHAPE.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     times = []
     for i in range(warmup + steps):
-        dist.barrier()
+        collectives.barrier()
         t0 = time.perf_counter()
         model(data[:, :-1], data[:, 1:]).loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        dist.barrier()
+        collectives.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]

@@ -3,10 +3,11 @@ autograd collectives they are built from. Process groups are always passed expli
 
 from .layers import (ColumnParallelLinear, RowParallelLinear, TensorParallelModule, VocabParallelEmbedding,
                      parallel_argmax, shard_dim, shard_full_state_dict, vocab_parallel_cross_entropy)
+from . import collectives
 from .layout import ParallelLayout
 from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp, tp_rank, tp_size
 
 __all__ = ["ColumnParallelLinear", "ParallelLayout", "RowParallelLinear", "TensorParallelModule",
-           "VocabParallelEmbedding", "copy_to_tp", "gather_from_tp", "parallel_argmax", "reduce_from_tp",
+           "VocabParallelEmbedding", "collectives", "copy_to_tp", "gather_from_tp", "parallel_argmax", "reduce_from_tp",
            "scatter_to_tp", "shard_dim", "shard_full_state_dict", "tp_rank", "tp_size",
            "vocab_parallel_cross_entropy"]

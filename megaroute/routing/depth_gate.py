@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -34,6 +33,7 @@ from ..config import DepthGateConfig, ModelConfig, RoutingConfig
 from ..model.block import TransformerBlock
 from ..model.mlp import SwiGLU
 from ..model.rope import Positions
+from ..parallel import collectives
 from . import dispatch
 from .context import RoutingContext
 
@@ -86,7 +86,9 @@ class JEPAScorer(nn.Module):
 
     def align_loss(self, forecasts, outcome_full: torch.Tensor, outcome_cheap: torch.Tensor) -> torch.Tensor:
         pred = torch.stack(forecasts).float()
-        target = F.linear(torch.stack([outcome_full, outcome_cheap]).detach(), self.target_head).float()
+        # In float32: DeepSpeed's bf16/fp16 engines cast parameters only, so the buffer stays float32
+        # while the outcomes are 16-bit.
+        target = F.linear(torch.stack([outcome_full, outcome_cheap]).detach().float(), self.target_head.float())
         if self.align_kind == "mse":
             return F.mse_loss(pred, target)
         if self.align_kind == "smooth_l1":
@@ -211,10 +213,11 @@ def average_causal_thresholds(model: nn.Module, group=None) -> None:
     Hidden states are replicated across TP ranks, so their thresholds already agree.
     """
     layers = [m for m in model.modules() if isinstance(m, DepthGateLayer)]
-    if not layers or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not layers or not collectives.is_distributed(group):
         return
+    # The thresholds are buffers on the model's device, where the backend needs them.
     values = torch.stack([layer.causal_threshold.float() for layer in layers])
-    dist.all_reduce(values, group=group)  # SUM then divide: gloo has no AVG
-    values /= dist.get_world_size(group)
+    collectives.all_reduce_(values, group=group)  # SUM then divide: gloo has no AVG
+    values /= collectives.world_size(group)
     for layer, v in zip(layers, values):
         layer.causal_threshold.copy_(v)

@@ -6,7 +6,9 @@
 Commit: every rank writes its files -> barrier -> rank 0 hashes every file into
 manifest.json (written atomically) -> rank 0 moves `latest` (atomically) -> barrier.
 A tag without a manifest was never committed. On load the manifest is verified (sizes and
-sha256); a corrupt or incomplete checkpoint is reported and the previous good one is used.
+sha256); a corrupt or incomplete checkpoint is reported and the previous good one is used. When
+checkpoints exist but none is intact, resuming stops with an error naming them rather than
+starting over on top of them.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..hashing import sha256_file
+from ..parallel import collectives
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -139,8 +141,7 @@ class CheckpointManager:
         self.loaded_tag: Optional[str] = None  # the tag `load` restored, if any
 
     def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        collectives.barrier()
 
     def tags(self) -> list[str]:
         """Checkpoint tags on disk, oldest first."""
@@ -207,15 +208,18 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.root, t), ignore_errors=True)
 
     def find_resumable(self, explicit: Optional[str] = None) -> Optional[str]:
-        """Rank 0 picks the newest intact checkpoint (or checks `explicit`); all ranks get its tag."""
-        choice: list[Optional[str]] = [None]
+        """Rank 0 picks the newest intact checkpoint (or checks `explicit`); all ranks get its tag,
+        or all raise the same CheckpointError. None means there is nothing to resume from."""
+        choice: tuple[Optional[str], Optional[str]] = (None, None)
         if self.rank == 0:
-            choice[0] = self._choose(explicit)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if explicit and choice[0] is None:
-            raise CheckpointError(f"checkpoint.resume={explicit!r}: not an intact checkpoint (see warnings above)")
-        return choice[0]
+            try:
+                choice = (self._choose(explicit), None)
+            except CheckpointError as e:
+                choice = (None, str(e))
+        tag, error = collectives.broadcast_object(choice)
+        if error:
+            raise CheckpointError(error)
+        return tag
 
     def _choose(self, explicit: Optional[str]) -> Optional[str]:
         if explicit:
@@ -223,17 +227,33 @@ class CheckpointManager:
             problems = verify(os.path.join(self.root, tag))
             for p in problems:
                 warnings.warn(f"checkpoint {tag}: {p}", stacklevel=2)
-            return None if problems else tag
+            if problems:
+                raise CheckpointError(f"checkpoint.resume={explicit!r} is not an intact checkpoint: "
+                                      + "; ".join(problems))
+            return tag
+        # Every committed tag is a candidate, newest first, whatever `latest` says: a `latest` that is
+        # garbage or names an older tag must not hide (and later overwrite) a newer good checkpoint.
         latest = self.latest_tag()
-        candidates = [t for t in reversed(self.tags()) if latest is None or _step_of(t) <= _step_of(latest)]
-        for tag in candidates:
+        corrupt: list[str] = []
+        for tag in reversed(self.tags()):
+            if not self._committed(tag):
+                continue  # a save that never finished: not a checkpoint
             problems = verify(os.path.join(self.root, tag))
-            if not problems:
-                if latest is not None and tag != latest:
-                    warnings.warn(f"resuming from {tag}: the newer checkpoint {latest} is not usable", stacklevel=2)
-                return tag
-            if os.path.isfile(os.path.join(self.root, tag, MANIFEST)):
+            if problems:
                 warnings.warn(f"checkpoint {tag} is corrupt and will be skipped: {'; '.join(problems)}", stacklevel=2)
+                corrupt.append(tag)
+                continue
+            if corrupt or latest != tag:
+                warnings.warn(f"resuming from {tag}, the newest intact checkpoint (`latest` names "
+                              f"{latest or 'no valid tag'}; corrupt: {', '.join(corrupt) or 'none'})", stacklevel=2)
+            return tag
+        if corrupt:
+            # Starting over would overwrite them (and what a repair could recover): stop instead.
+            raise CheckpointError(f"every checkpoint in {self.root} is corrupt ({', '.join(corrupt)}; see the "
+                                  "warnings above). Repair or move them, or set checkpoint.resume=none to start over")
+        if latest is not None:
+            raise CheckpointError(f"{os.path.join(self.root, LATEST)} names {latest}, which is not a committed "
+                                  "checkpoint (deleted?). Set checkpoint.resume=none to start over")
         return None
 
     def load(self, engine, tag: str) -> dict:

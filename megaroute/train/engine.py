@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..config import Config, ConfigError
-from ..parallel import ParallelLayout
-from .env import DistEnv
+from ..parallel import ParallelLayout, collectives
+from .env import DistEnv, unlink_shm_buffer
 from .optim import GuardedAdamW, lr_lambda, param_groups
 
 
@@ -67,6 +67,9 @@ def init_distributed(env: DistEnv) -> None:
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
     if env.backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    # Every rank has mapped its peers' CPU comm buffers once all have passed init: the names can go.
+    collectives.barrier()
+    unlink_shm_buffer(env)
 
 
 def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
@@ -99,25 +102,31 @@ def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
     return engine, optimizer, scheduler
 
 
-def grad_norms(groups: dict[str, list[torch.nn.Parameter]], tp_group=None) -> dict[str, float]:
+def grad_norms(groups: dict[str, list[torch.nn.Parameter]], device: torch.device | str,
+               tp_group=None) -> dict[str, float]:
     """L2 norm of the full (unpartitioned) gradient of each named parameter group.
 
     Collective under ZeRO (DeepSpeed assembles partitioned gradients) and, with a TP group, over
     it (TP-sharded parameters contribute their slices; replicated ones count once): every rank
-    must call it, after the last backward and before the optimizer step.
+    must call it, after the last backward and before the optimizer step. Squared sums stay on
+    `device` (the engine's: the TP all-reduce runs there) and reach the host in one copy.
     """
-    import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_grad  # deepspeed is imported after DS_ACCELERATOR is set
 
     names = sorted(groups)
-    sums = torch.zeros(len(names), 2, dtype=torch.float64)  # [replicated, tp-sharded] squared sums
+    sums = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # [replicated, tp-sharded]
     for i, name in enumerate(names):
+        buckets: tuple[list, list] = ([], [])
         for p in groups[name]:
             g = safe_get_full_grad(p)
             if g is not None:
-                sums[i, int(getattr(p, "tensor_model_parallel", False))] += float(g.detach().float().pow(2).sum())
+                buckets[int(getattr(p, "tensor_model_parallel", False))].append(g.detach())
+        for j, grads in enumerate(buckets):
+            if grads:
+                # fp32 (16-bit grads would round the norm); one fused kernel per device and dtype
+                norms = torch._foreach_norm([g.float() for g in grads])
+                sums[i, j] = torch.stack(norms).to(device, torch.float64).pow(2).sum()
     if tp_group is not None:
-        sharded = sums[:, 1].contiguous()
-        dist.all_reduce(sharded, group=tp_group)
-        sums[:, 1] = sharded
-    return {f"grad_norm/{name}": float(sums[i].sum()) ** 0.5 for i, name in enumerate(names)}
+        sums[:, 1] = collectives.all_reduce_(sums[:, 1].contiguous(), group=tp_group)
+    totals = sums.sum(dim=1).sqrt().tolist()
+    return {f"grad_norm/{name}": total for name, total in zip(names, totals)}

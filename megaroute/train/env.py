@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
+
+# DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) maps one buffer per local rank,
+# named from the uid and the rendezvous address; it never unlinks them.
+SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,11 @@ def detect_env() -> DistEnv:
         if "MASTER_PORT" not in os.environ:
             os.environ["MASTER_PORT"] = str(_free_port())
             added.append("MASTER_PORT")
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        # DeepSpeed JIT-builds its CPU comm op here: one build per environment. A shared
+        # ~/.cache/torch_extensions is rebuilt on every launch when several venvs take turns.
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+        added.append("TORCH_EXTENSIONS_DIR")
     if _cuda_available():
         return DistEnv(rank, world, local_rank, "nccl", f"cuda:{local_rank}", tuple(added))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -67,8 +77,30 @@ def release(env: DistEnv) -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    unlink_shm_buffer(env)  # normally gone already (see unlink_shm_buffer); this covers a failed start
     for key in env.added_env:
         os.environ.pop(key, None)
+
+
+def shm_buffer_path(env: DistEnv) -> str:
+    """The /dev/shm file DeepSpeed's CPU comm op creates for this rank (when all ranks are local)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{env.rank}")
+
+
+def unlink_shm_buffer(env: DistEnv) -> None:
+    """Removes this rank's shared-memory buffer name; the mappings stay valid until exit.
+
+    Safe once every rank has mapped every peer's buffer (i.e. after a barrier that follows
+    deepspeed.init_distributed): unlinking then means no exit path, not even SIGKILL, leaves
+    66 MiB per rank behind in /dev/shm.
+    """
+    if env.backend != "gloo":
+        return
+    try:
+        os.unlink(shm_buffer_path(env))
+    except FileNotFoundError:
+        pass
 
 
 def _env_from_srun() -> None:

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
+
+from ..parallel import collectives
 
 
 @dataclass
@@ -36,13 +37,6 @@ def _accumulate(sums: dict[str, torch.Tensor], key: str, value, weight: float, d
     """sums[key] += weight * value, kept as a float64 tensor on `device` (no host sync)."""
     v = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, dtype=torch.float64, device=device)
     sums[key] = sums[key] + weight * v if key in sums else weight * v
-
-
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 class Trainer:
@@ -91,25 +85,29 @@ class Trainer:
         # Losses and routing stats stay on the device until the step's last micro-batch: one host
         # copy per step instead of a device sync per stat per micro-batch.
         sums: dict[str, torch.Tensor] = {}
-        bad = torch.zeros((), dtype=torch.bool, device=self.engine.device)
+        device = self.engine.device
+        bad = torch.zeros((), dtype=torch.bool, device=device)
         probed: dict[str, float] = {}
         step = self.state.step + 1
         probe_now = self.grad_probe is not None and (step % self.probe_interval == 0 or step in (1, self.total_steps))
         for micro in range(self.accumulation):
             inputs, targets = next(self.batches)
-            out = self.engine(inputs.to(self.engine.device), targets.to(self.engine.device))
+            out = self.engine(inputs.to(device), targets.to(device))
             bad |= ~torch.isfinite(out.loss.detach())
             values = {"lm_loss": out.lm_loss, **{f"aux/{k}": v for k, v in out.aux_losses.items()},
                       **{f"routing/{k}": v for k, v in out.routing_stats.items()}}
             for key, value in values.items():
-                _accumulate(sums, key, value, 1 / self.accumulation, self.engine.device)
+                _accumulate(sums, key, value, 1 / self.accumulation, device)
             if micro == self.accumulation - 1:
-                local = dict(zip(["bad", *sums], torch.stack([bad.double(), *sums.values()]).tolist()))
-                local_bad = local.pop("bad") > 0
-                lm_loss = local.pop("lm_loss")
-                # One collective per step: mean loss, "any rank non-finite", "any rank asked to stop".
-                loss_sum, n_bad, n_stop = _all_reduce_sum([0.0 if local_bad else lm_loss, float(local_bad),
-                                                           float(self.stop_signal.requested)])
+                # One collective per step, on the engine's device: summed finite loss, "any rank
+                # non-finite", "any rank asked to stop". Then one host copy of everything.
+                stop_flag = torch.tensor(float(self.stop_signal.requested), dtype=torch.float64, device=device)
+                flags = collectives.all_reduce(
+                    torch.stack([torch.where(bad, 0.0, sums["lm_loss"]), bad.double(), stop_flag]), device)
+                host = torch.cat([torch.stack(list(sums.values())), flags]).tolist()
+                local = dict(zip(sums, host))
+                loss_sum, n_bad, n_stop = host[len(sums):]
+                del local["lm_loss"]
                 if hasattr(self.optimizer, "nonfinite_loss"):
                     self.optimizer.nonfinite_loss = n_bad > 0
             self.engine.backward(out.loss)
@@ -126,8 +124,7 @@ class Trainer:
         s.consumed_samples += self.engine.train_batch_size()
         s.tokens_seen += self.tokens_per_step
         s.flops_seen += self.flops_per_token * self.tokens_per_step
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        n_finite = world - n_bad
+        n_finite = collectives.world_size() - n_bad
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {
             "train/loss": loss_sum / n_finite if n_finite else math.nan,

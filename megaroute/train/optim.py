@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import OptimConfig
+from ..parallel import collectives
 
 
 class GuardedAdamW(torch.optim.AdamW):
@@ -27,25 +27,23 @@ class GuardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        bad = self.nonfinite_loss or any(
-            p.grad is not None and not torch.isfinite(p.grad).all() for g in self.param_groups for p in g["params"]
-        )
-        flag = torch.tensor([float(bad)])
-        if dist.is_available() and dist.is_initialized():
-            flag = flag.to(self._device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        # The flag lives where the parameters do (DeepSpeed has moved them to the engine's device),
+        # which is what NCCL needs; a rank without grads still joins the collective.
+        device = params[0].device if params else torch.device("cpu")
+        bad = torch.tensor(float(self.nonfinite_loss), device=device)
+        if grads:
+            # max |g| of each tensor is finite iff all its elements are: one fused kernel per
+            # device and dtype, no per-parameter host sync.
+            worst = torch.stack(torch._foreach_norm(grads, float("inf"))).to(device)
+            bad = torch.maximum(bad, (~torch.isfinite(worst).all()).float())
         self.nonfinite_loss = False
-        self.last_step_skipped = self.overflow = bool(flag.item())
+        self.last_step_skipped = self.overflow = collectives.all_reduce_(bad, "max").item() > 0
         if self.last_step_skipped:
             self.zero_grad(set_to_none=True)
             return None
         return super().step(closure)
-
-    def _device(self) -> torch.device:
-        for g in self.param_groups:
-            for p in g["params"]:
-                return p.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        return torch.device("cpu")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

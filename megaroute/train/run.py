@@ -7,6 +7,7 @@ starts, so a bad run fails in seconds with a message naming the key or file.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -19,12 +20,13 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
-from ..parallel import ParallelLayout
+from ..parallel import ParallelLayout, collectives
+from .checkpoint import CheckpointError
 from .env import DistEnv, detect_env, release
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
+from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
                    "nonfinite": EXIT_NONFINITE}
@@ -62,17 +64,61 @@ def _peak_flops(cfg: Config, env: DistEnv) -> float:
         return cfg.train.peak_flops
     if env.device == "cpu":
         return peak_flops("cpu") / int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    return peak_flops(None)
+    try:
+        return peak_flops(None)
+    except ValueError as e:  # a GPU missing from the table must not stop training: MFU is logged as NaN
+        if env.is_main:
+            print(f"warning: {e}; perf/mfu will be NaN", file=sys.stderr, flush=True)
+        return 0.0
 
 
 def check_data(cfg: Config):
-    """Validates prepared shards against the config (cheap: sizes, vocab, tokenizer hash)."""
-    from ..data.loader import PackedDataset
+    """Everything about the data that can be checked before the process group, cheaply, on every rank.
 
-    index = os.path.join(cfg.data.output_dir, "index.json")
-    if not os.path.isfile(index):
+    Prepared data (data.output_dir has an index.json): both splits are opened as `PackedDataset`s,
+    which checks shard sizes, seq_len, and token ids against model.vocab_size (from the index's
+    recorded id ranges: no shard is read). Returns (train, val).
+    No prepared data: rank 0 will prepare it after the process group starts, so the source is
+    checked now (exists, not empty, decodable; see `prepare.preflight`). A failure there is
+    reported as a missing prepared directory (naming data.output_dir) that cannot be prepared
+    (naming data.source and the file). Returns None.
+    Raises DataError (exit 2)."""
+    from ..data import INDEX_FILE, DataError
+    from ..data.loader import PackedDataset
+    from ..data.prepare import preflight
+
+    out = cfg.data.output_dir
+    if not os.path.isfile(os.path.join(out, INDEX_FILE)):
+        try:
+            preflight(cfg.data)
+        except DataError as e:
+            state = ("does not exist" if not os.path.exists(out) else
+                     "is not a directory" if not os.path.isdir(out) else f"has no {INDEX_FILE}")
+            raise DataError(f"data.output_dir: no prepared data: {out} {state}, and it cannot be prepared "
+                            f"from data.source={cfg.data.source!r}: {e}") from None
         return None  # rank 0 prepares it after the process group starts
-    return PackedDataset(cfg.data.output_dir, "train", seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    kw = dict(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    return PackedDataset(out, "train", **kw), PackedDataset(out, "val", **kw)
+
+
+def check_resume_tag(cfg: Config) -> None:
+    """An explicit checkpoint.resume (not auto/none) must name an existing checkpoint directory under
+    <run_dir>/<checkpoint.dir>; it is looked up by its last path component, as `CheckpointManager`
+    does. Existence only: the manifest and checksums are verified after the process group starts."""
+    from .checkpoint import TAG_RE
+
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "none"):
+        return
+    root = os.path.join(cfg.run_dir, cfg.checkpoint.dir)
+    tag = os.path.basename(os.path.normpath(resume))
+    if tag and os.path.isdir(os.path.join(root, tag)):
+        return
+    found = sorted(n for n in os.listdir(root) if TAG_RE.match(n)) if os.path.isdir(root) else []
+    have = f"checkpoints there: {', '.join(found)}" if found else ("it holds no checkpoints" if os.path.isdir(root)
+                                                                    else "that directory does not exist")
+    raise ConfigError("checkpoint.resume", f"no checkpoint {tag!r} in {root} ({have}); use a tag listed there, "
+                                           "'auto' (the latest intact one) or 'none' (start fresh)")
 
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
@@ -89,6 +135,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     dp_rank, dp_size = layout.dp_rank, layout.dp
     ds_config = ds.deepspeed_config(cfg, dp_size)
     check_data(cfg)
+    check_resume_tag(cfg)
     init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
 
     # ---- process group, data, model, engine ----
@@ -105,7 +152,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)
-    dist.barrier()
+    collectives.barrier()
     train_set, val_set, tokenizer = _datasets(cfg)
 
     _seed_everything(cfg.train.seed)
@@ -159,6 +206,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
                 "loss_summary": summary.state_dict()}
 
     stop = StopSignal().install()
+    watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
     tracker = _make_tracker(cfg, env, resumed_run_id, tokenizer) if env.is_main else None
     callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary]
     if cfg.routing.method == "depth_gate" and dp_size > 1:
@@ -175,7 +223,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
         count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
-        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), layout.tp_group),
+        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), engine.device, layout.tp_group),
         probe_interval=cfg.train.log_interval,
     )
     try:
@@ -185,6 +233,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
             tracker.close("FAILED", timeout=10)
         raise
     finally:
+        watchdog.stop()
         stop.uninstall()
     if final.stop_reason == "nonfinite" and env.is_main:
         print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
@@ -268,27 +317,27 @@ def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[
     from ..routing.context import eval_modes
 
     mb = cfg.train.micro_batch_size
+    as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=engine.device)
     engine.eval()
     out = {}
     for suffix, mode in eval_modes(cfg.routing.method).items():
         loader = SequenceLoader(val_set, mb, mb * dp_size, dp_rank, dp_size, seed=0)
         batches = iter(loader)
-        sums: dict[str, float] = {}
+        # Sums stay on the device; one collective (on the engine's device) and one host copy per mode.
+        sums: dict[str, torch.Tensor] = {}
         for _ in range(cfg.train.eval_batches):
             x, y = next(batches)
             result = engine(x.to(engine.device), y.to(engine.device), routing_mode=mode)
             stats = result.routing_stats
-            full = [float(v) for k, v in stats.items() if k.endswith("/full_frac")]
-            for key, value in (("loss", float(result.lm_loss)), ("tlops_frac", stats.get("tlops_frac")),
-                               ("full_frac", sum(full) / len(full) if full else None)):
+            full = [as_t(v) for k, v in stats.items() if k.endswith("/full_frac")]
+            for key, value in (("loss", result.lm_loss), ("tlops_frac", stats.get("tlops_frac")),
+                               ("full_frac", torch.stack(full).mean() if full else None)):
                 if value is not None:
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    sums[key] = sums[key] + as_t(value) if key in sums else as_t(value)
         keys = sorted(sums)
-        t = torch.tensor([sums[k] / cfg.train.eval_batches for k in keys], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(t)
-            t /= dist.get_world_size()
-        out.update({f"val/{k}{suffix}": float(v) for k, v in zip(keys, t)})
+        means = collectives.all_reduce(torch.stack([sums[k] for k in keys]) / cfg.train.eval_batches, engine.device)
+        means = (means / collectives.world_size()).tolist()
+        out.update({f"val/{k}{suffix}": v for k, v in zip(keys, means)})
     if "val/loss_hard" in out:
         out["val/soft_hard_gap"] = out["val/loss_hard"] - out["val/loss"]
     engine.train()
@@ -352,6 +401,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return pretrain(cfg, env)
     except ConfigError as e:
         print(f"pretrain: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except CheckpointError as e:
+        print(f"pretrain: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except Exception as e:
         from ..data import DataError

@@ -146,3 +146,11 @@ def wait_for(predicate, timeout: float = 120, interval: float = 0.05) -> None:
             return
         time.sleep(interval)
     raise AssertionError("condition not reached in time")
+
+
+def shm_leftovers(job: Job) -> list[str]:
+    """DeepSpeed CPU comm buffers in /dev/shm named after this job's rendezvous port."""
+    args = list(job.proc.args)
+    port = args[args.index("--master_port") + 1]
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer_")
+                  and f"_{port}_" in n)

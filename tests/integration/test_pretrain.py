@@ -15,7 +15,7 @@ import torch
 from megaroute.train.checkpoint import CheckpointManager, verify
 from megaroute.train.signals import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_REQUEUE
 
-from .conftest import losses, read_metrics, start_job, wait_for
+from .conftest import losses, read_metrics, shm_leftovers, start_job, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -54,6 +54,7 @@ def test_stop_and_resume_is_bit_identical(workdir, char_data, reference, stage):
     first = _run(workdir, char_data, name, f"optim.zero_stage={stage}", f"train.exit_interval={STEPS // 2}",
                  launcher="deepspeed")
     assert first.wait() == EXIT_REQUEUE, first.output()[-3000:]
+    assert shm_leftovers(first) == [], "DeepSpeed's CPU comm buffers outlived the job"
     run_dir = workdir / "runs" / name
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS // 2:08d}"
     assert sorted(losses(run_dir)) == list(range(1, STEPS // 2 + 1))
@@ -111,6 +112,30 @@ def test_kill_during_checkpoint_write_keeps_previous_latest(workdir, char_data, 
     assert any("truncated" in p for p in verify(str(ckpts / newest)))
 
 
+def test_all_checkpoints_corrupt_stops_with_exit_2_and_touches_nothing(workdir, char_data):
+    name = "all_corrupt"
+    ckpts = workdir / "runs" / name / "checkpoints"
+    first = _run(workdir, char_data, name, "train.max_steps=4", "checkpoint.interval=2")
+    assert first.wait() == EXIT_OK, first.output()[-3000:]
+    tags = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
+    assert tags == ["step_00000002", "step_00000004"]
+    for tag in tags:  # same size, zeroed middle: only the hash can tell
+        target = next((ckpts / tag).glob("*model_states.pt"))
+        data = bytearray(target.read_bytes())
+        data[len(data) // 4: len(data) // 2] = bytes(len(data) // 2 - len(data) // 4)
+        target.write_bytes(bytes(data))
+    before = {str(p): p.read_bytes() for p in sorted(ckpts.rglob("*")) if p.is_file()}
+    metrics_before = (workdir / "runs" / name / "metrics.jsonl").read_text()
+
+    again = _run(workdir, char_data, name, "train.max_steps=8", "checkpoint.interval=2", launcher="deepspeed")
+    assert again.wait() == EXIT_CONFIG_ERROR, again.output()[-3000:]
+    assert shm_leftovers(again) == [], "DeepSpeed's CPU comm buffers outlived the failed job"
+    out = again.output()
+    assert "every checkpoint" in out and all(tag in out for tag in tags), out[-3000:]
+    assert {str(p): p.read_bytes() for p in sorted(ckpts.rglob("*")) if p.is_file()} == before
+    assert (workdir / "runs" / name / "metrics.jsonl").read_text() == metrics_before, "it trained"
+
+
 def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, reference):
     name = "sigterm"
     run_dir = workdir / "runs" / name
@@ -126,6 +151,36 @@ def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, r
     resumed = _run(workdir, char_data, name)
     assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
     assert losses(run_dir) == reference(1)
+
+
+def test_sigterm_to_the_deepspeed_runner_stops_every_rank_with_a_checkpoint(workdir, char_data):
+    """`kill <runner>` (what a non-Slurm scheduler does) kills only the runner; the ranks must notice,
+    checkpoint and exit 75 instead of training on as orphans."""
+    import psutil
+
+    name = "runner_sigterm"
+    run_dir = workdir / "runs" / name
+    # ~0.2 s a step: the 1000 steps would outlive the deadline below by minutes if the ranks trained on.
+    job = _run(workdir, char_data, name, "train.max_steps=1000", "checkpoint.interval=1000", fault="slow:0.2",
+               launcher="deepspeed")
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3, timeout=240)
+        ranks = job.rank_pids()
+        assert len(ranks) == 2, job.output()[-2000:]
+        below = psutil.Process(job.proc.pid).children(recursive=True)  # deepspeed.launcher.launch and the ranks
+        os.kill(job.proc.pid, signal.SIGTERM)  # the runner only, not its process group
+        assert job.proc.wait(30) == -signal.SIGTERM
+        _, alive = psutil.wait_procs(below, timeout=60)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], job.output()[-3000:]
+    finally:
+        job.kill()
+    out = job.output()
+    stopped_at = max(losses(run_dir))
+    assert f"training stopped at step {stopped_at}: signal" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:08d}"
+    assert verify(str(run_dir / "checkpoints" / f"step_{stopped_at:08d}")) == []
+    assert "launcher deepspeed" in out and "is gone" in out, out[-3000:]
+    assert "exits with return code = 75" in out, out[-3000:]  # deepspeed.launcher.launch reports the ranks' code
 
 
 def test_nonfinite_loss_on_one_rank_skips_the_step_on_all_ranks(workdir, char_data):
@@ -162,3 +217,47 @@ def test_bad_config_fails_before_process_groups(workdir, char_data, override, ke
     out = job.output()
     assert f"config key '{key}'" in out
     assert "Initializing TorchBackend" not in out and "init_process_group" not in out
+
+
+@pytest.mark.parametrize("case", ["missing-prepared-dir", "undecodable-source", "shard-ids-beyond-vocab",
+                                  "unknown-resume-tag", "empty-config"])
+def test_bad_data_fails_with_exit_2_before_process_groups(tmp_path, char_data, case):
+    """`python launcher/pretrain.py` (one process): each kind of bad input exits 2 with a message naming
+    it, before any process group or rendezvous: nothing is written to the run directory."""
+    import hashlib
+    import json
+    import shutil
+
+    import numpy as np
+
+    data_dir, config, overrides = char_data, "configs/tiny.yaml", []
+    if case == "missing-prepared-dir":
+        data_dir, overrides = str(tmp_path / "removed"), [f"data.source={tmp_path / 'gone.txt'}"]
+        expected = f"data.output_dir: no prepared data: {tmp_path / 'removed'} does not exist"
+    elif case == "undecodable-source":
+        (tmp_path / "corpus.txt").write_bytes(b"To be, or not to be\n" * 2000 + b"\xff\xfe\n")
+        data_dir = str(tmp_path / "fresh")
+        overrides = [f"data.source={tmp_path / 'corpus.txt'}", "data.decode_errors=strict"]
+        expected = "corpus.txt: invalid UTF-8 at byte offset 40000"
+    elif case == "shard-ids-beyond-vocab":  # a consistent index (sha256, max_id) for a shard the model cannot embed
+        data_dir = str(shutil.copytree(char_data, tmp_path / "copy"))
+        index = json.loads((tmp_path / "copy" / "index.json").read_text())
+        shard = index["splits"]["train"]["shards"][0]
+        ids = np.fromfile(tmp_path / "copy" / shard["file"], dtype=np.uint16)
+        ids[10] = 200  # tiny.yaml: model.vocab_size=128
+        ids.tofile(tmp_path / "copy" / shard["file"])
+        shard.update(sha256=hashlib.sha256(ids.tobytes()).hexdigest(), max_id=200)
+        (tmp_path / "copy" / "index.json").write_text(json.dumps(index))
+        expected = f"{shard['file']}: token ids reach 200 (max_id in {data_dir}/index.json) >= model.vocab_size=128"
+    elif case == "unknown-resume-tag":
+        overrides = ["checkpoint.resume=step_00000042"]
+        expected = "config key 'checkpoint.resume': no checkpoint 'step_00000042'"
+    else:
+        (tmp_path / "empty.yaml").write_text("# to be written\n")
+        config, expected = str(tmp_path / "empty.yaml"), f"{tmp_path / 'empty.yaml'} is empty"
+    job = start_job(tmp_path, data_dir, config, *overrides, name="bad", launcher="python")
+    assert job.wait(timeout=120) == EXIT_CONFIG_ERROR, job.output()[-3000:]
+    out = job.output()
+    assert expected in out, out[-3000:]
+    assert "Traceback" not in out and "init_process_group" not in out and "Initializing TorchBackend" not in out
+    assert not (tmp_path / "runs").exists()  # rank 0 creates the run directory right after the process group

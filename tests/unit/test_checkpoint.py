@@ -213,6 +213,48 @@ def test_explicit_resume_of_a_corrupt_tag_raises(tmp_path):
     assert m.find_resumable(str(tmp_path / tag_for(1))) == tag_for(1)
 
 
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_every_checkpoint_corrupt_raises_naming_them_and_touches_nothing(tmp_path):
+    m = manager(tmp_path)
+    save(m, 1)
+    save(m, 2)
+    for step in (1, 2):
+        (tmp_path / tag_for(step) / OPTIM).write_bytes(b"garbage")
+    before = _tree(tmp_path)
+    with pytest.warns(UserWarning, match="corrupt"), pytest.raises(CheckpointError) as err:
+        m.find_resumable()
+    assert tag_for(1) in str(err.value) and tag_for(2) in str(err.value)
+    assert "checkpoint.resume=none" in str(err.value)
+    assert _tree(tmp_path) == before
+
+
+def test_latest_naming_a_vanished_tag_raises(tmp_path):
+    m = manager(tmp_path)
+    save(m, 1)
+    import shutil
+
+    shutil.rmtree(tmp_path / tag_for(1))
+    with pytest.raises(CheckpointError, match=f"names {tag_for(1)}"):
+        m.find_resumable()
+
+
+@pytest.mark.parametrize("pointer", ["garbage\n", "", tag_for(1)])
+def test_a_stale_or_garbage_latest_does_not_hide_the_newest_checkpoint(tmp_path, pointer):
+    m = manager(tmp_path)
+    save(m, 1)
+    save(m, 2)
+    (tmp_path / LATEST).write_text(pointer)
+    with pytest.warns(UserWarning, match=f"resuming from {tag_for(2)}"):
+        assert m.find_resumable() == tag_for(2)
+    # Resuming from it and saving on keeps step 2 (it is not overwritten by a restart from step 1).
+    m.load(FakeEngine(), tag_for(2))
+    save(m, 3)
+    assert on_disk(tmp_path) == [tag_for(1), tag_for(2), tag_for(3)] and m.latest_tag() == tag_for(3)
+
+
 def test_load_of_a_tag_deepspeed_cannot_find_raises(tmp_path):
     with pytest.raises(CheckpointError):
         manager(tmp_path).load(FakeEngine(), tag_for(3))

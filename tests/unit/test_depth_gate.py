@@ -126,6 +126,19 @@ def test_jepa_alignment_trains_the_predictor_against_a_frozen_target_head(make_m
     assert torch.equal(layer.scorer.target_head, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_jepa_gate_trains_with_16_bit_parameters_and_float32_buffers(make_model, dtype):
+    """DeepSpeed's bf16/fp16 engines cast parameters only: the frozen target head stays float32."""
+    model, cfg = make_model(*G3, *ORACLE)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    assert gated_layers(model)[0].scorer.target_head.dtype == torch.float32
+    x = tokens_for(cfg, 2, 16)
+    out = model(x, x)
+    assert torch.isfinite(out.loss) and "layer_0/jepa_align" in out.aux_losses
+    out.loss.backward()
+
+
 @pytest.mark.parametrize("kind", ["mse", "cosine", "smooth_l1"])
 def test_alignment_loss_kinds(make_model, kind):
     model, cfg = make_model(*G3, f"routing.depth_gate.align_loss={kind}")

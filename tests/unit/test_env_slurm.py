@@ -13,6 +13,7 @@ TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 def slurm_env(monkeypatch):
     for k in TORCH_VARS:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/tmp/torch_extensions")  # its default has a test of its own
     monkeypatch.setattr(E, "_cuda_available", lambda: False)
 
     def set_vars(**kv):
@@ -58,3 +59,34 @@ def test_release_removes_what_a_single_process_added(slurm_env, monkeypatch):
     E.release(env)
     assert not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
     assert os.environ["MASTER_ADDR"] == "10.0.0.9"
+
+
+def test_torch_extensions_dir_defaults_to_the_environment_and_is_released(slurm_env, monkeypatch):
+    import os
+    import sys
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    env = E.detect_env()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    E.release(env)
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")  # a user's choice wins
+    env = E.detect_env()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/else"
+    E.release(env)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/else"
+
+
+def test_unlink_shm_buffer_removes_only_this_ranks_name(slurm_env, monkeypatch, tmp_path):
+    monkeypatch.setattr(E, "SHM_DIR", str(tmp_path))
+    slurm_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=29511)
+    env = E.DistEnv(rank=1, world_size=2, local_rank=1, backend="gloo", device="cpu")
+    mine, peer = E.shm_buffer_path(env), E.shm_buffer_path(E.DistEnv(0, 2, 0, "gloo", "cpu"))
+    for path in (mine, peer):
+        open(path, "wb").close()
+    assert mine.endswith("_127.0.0.1_29511_1")
+    E.unlink_shm_buffer(env)
+    E.unlink_shm_buffer(env)  # idempotent
+    import os
+
+    assert not os.path.exists(mine) and os.path.exists(peer)

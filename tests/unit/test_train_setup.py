@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -91,6 +92,48 @@ def test_guard_skips_the_step_and_leaves_parameters_unchanged():
     assert not opt.last_step_skipped and not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+class _HostSyncCounter:
+    """Counts tensor -> Python conversions (each is a device sync on a GPU) while active."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("item", "__bool__", "__float__", "tolist"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, **kw):
+                self.count += 1
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_guard_checks_all_grads_with_one_host_sync(monkeypatch):
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    opt = GuardedAdamW(param_groups(model, 0.1), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    list(model.parameters())[-1].grad[0] = float("nan")  # the last tensor: a per-parameter scan reads them all
+    counter = _HostSyncCounter(monkeypatch)
+    opt.step()
+    monkeypatch.undo()
+    assert opt.last_step_skipped and counter.count == 1
+
+
+def test_grad_norms_per_group_with_one_host_copy(monkeypatch):
+    from megaroute.train.engine import grad_norms
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    groups = {"base": list(model[0].parameters()), "controller": list(model[1].parameters())}
+    counter = _HostSyncCounter(monkeypatch)
+    norms = grad_norms(groups, "cpu")
+    monkeypatch.undo()
+    assert counter.count == 1
+    for name, params in groups.items():
+        expected = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)).item()
+        assert norms[f"grad_norm/{name}"] == pytest.approx(expected, rel=1e-6)
+
+
 def test_param_groups_do_not_decay_gains():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     decay, no_decay = param_groups(model, 0.1)
@@ -155,3 +198,142 @@ def test_loop_exit_interval_stops_early_and_completion_is_reported():
     assert _trainer([1.0] * 8, exit_interval=3).fit().stop_reason == "exit_interval"
     state = _trainer([1.0] * 4).fit()
     assert state.stop_reason == "complete" and state.step == 4
+
+
+# ----------------------------------------------------------------------------- checks before the process group
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory) -> str:
+    """A small char-level prepared directory (vocab well under the tiny model's 97)."""
+    from megaroute.data.prepare import prepare
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("".join(f"line {i} of the corpus, abcdefghij\n" for i in range(3000)))
+    c = cfg("data.tokenizer.kind=char", f"data.source={corpus}", f"data.output_dir={tmp / 'out'}",
+            "data.num_workers=1", "data.seq_len=32")
+    prepare(c.data, progress=False)
+    return str(tmp / "out")
+
+
+def tiny_overrides(tmp_path, *extra) -> list[str]:
+    """A tiny config whose run directory and default data paths live under tmp_path."""
+    return ["model.vocab_size=97", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+            "data.seq_len=32", "data.tokenizer.kind=char", "train.micro_batch_size=2", "train.global_batch_size=2",
+            "tracking.enabled=false", f"runs_dir={tmp_path / 'runs'}", f"data.output_dir={tmp_path / 'prepared'}",
+            *extra]
+
+
+def tiny(tmp_path, *extra):
+    return cfg(*tiny_overrides(tmp_path, *extra))
+
+
+def test_check_data_missing_prepared_dir_and_unusable_source(tmp_path):
+    from megaroute.data import DataError
+    from megaroute.train.run import check_data
+
+    out = tmp_path / "prepared"
+    (tmp_path / "empty.txt").touch()
+    (tmp_path / "bad.txt").write_bytes(b"fine text\n" * 100 + b"\xc3(\n")
+    cases = [(f"data.source={tmp_path / 'gone.txt'}", "does not exist"),
+             (f"data.source={tmp_path / 'empty.txt'}", "input is empty"),
+             (f"data.source={tmp_path / '*.parquet'}", "no files match"),
+             (f"data.source={tmp_path / 'bad.txt'}", "bad.txt: invalid UTF-8 at byte offset 1000")]
+    for source, fragment in cases:
+        with pytest.raises(DataError) as e:
+            check_data(tiny(tmp_path, source, "data.decode_errors=strict"))
+        msg = str(e.value)
+        assert f"data.output_dir: no prepared data: {out} does not exist" in msg, msg
+        assert "data.source=" in msg and fragment in msg, msg
+    out.mkdir()  # an existing directory without an index is reported as such
+    with pytest.raises(DataError, match=rf"{out} has no index.json, .*gone.txt' does not exist"):
+        check_data(tiny(tmp_path, f"data.source={tmp_path / 'gone.txt'}"))
+    with pytest.raises(DataError, match=r"data.tokenizer.path: .*nope.model not found"):
+        check_data(tiny(tmp_path, f"data.source={tmp_path / 'bad.txt'}", "data.tokenizer.kind=file",
+                        f"data.tokenizer.path={tmp_path / 'nope.model'}"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match=r"data.output_dir: .*afile exists and is not a directory"):
+        check_data(tiny(tmp_path, f"data.source={tmp_path / 'bad.txt'}", f"data.output_dir={tmp_path / 'afile'}"))
+    # A usable source: nothing to open yet, nothing written (rank 0 prepares after the process group).
+    assert check_data(tiny(tmp_path, f"data.source={tmp_path / 'bad.txt'}",
+                           f"data.output_dir={tmp_path / 'new'}")) is None
+    assert not (tmp_path / "new").exists() and os.listdir(out) == []
+
+
+def test_check_data_rejects_shard_ids_beyond_model_vocab_from_the_index(tmp_path, prepared_dir):
+    import json
+    import shutil
+
+    from megaroute.data import DataError
+    from megaroute.train.run import check_data
+
+    train, val = check_data(tiny(tmp_path, f"data.output_dir={prepared_dir}"))
+    assert len(train) and len(val)
+    out = shutil.copytree(prepared_dir, tmp_path / "copy")
+    index = json.loads((out / "index.json").read_text())
+    shard = index["splits"]["train"]["shards"][0]
+    shard["max_id"] = 120  # what a shard made with a bigger vocabulary records; the tokenizer says 40-odd
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match=rf"{shard['file']}: token ids reach 120 .*>= model.vocab_size=97"):
+        check_data(tiny(tmp_path, f"data.output_dir={out}"))
+
+
+def test_check_resume_tag(tmp_path):
+    from megaroute.train.run import check_resume_tag
+
+    c = tiny(tmp_path, "name=r", "checkpoint.resume=step_00000007")
+    root = tmp_path / "runs" / "r" / "checkpoints"
+    with pytest.raises(ConfigError) as e:
+        check_resume_tag(c)
+    assert e.value.path == "checkpoint.resume"
+    assert "'step_00000007'" in str(e.value) and "that directory does not exist" in str(e.value)
+    for step in (4, 8):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    (root / "latest").write_text("step_00000008")
+    with pytest.raises(ConfigError) as e:
+        check_resume_tag(c)
+    assert f"no checkpoint 'step_00000007' in {root} (checkpoints there: step_00000004, step_00000008)" in str(e.value)
+    for ok in ("auto", "none", "step_00000004", f"{root}/step_00000008/"):
+        check_resume_tag(tiny(tmp_path, "name=r", f"checkpoint.resume={ok}"))
+    with pytest.raises(ConfigError, match="'step_00000004' in .*other"):  # looked up under checkpoint.dir
+        check_resume_tag(tiny(tmp_path, "name=r", "checkpoint.resume=step_00000004", "checkpoint.dir=other"))
+
+
+@pytest.mark.parametrize("case", ["missing-source", "missing-prepared-dir", "vocab", "resume-tag", "empty-config"])
+def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, prepared_dir, monkeypatch, capsys,
+                                                                      case):
+    import json
+    import shutil
+
+    import megaroute.train.engine as engine
+    from megaroute.train import run
+
+    def no_process_group(env):
+        raise AssertionError("the process group was started before the bad input was found")
+
+    monkeypatch.setattr(engine, "init_distributed", no_process_group)
+    config = tmp_path / "c.yaml"
+    config.write_text("name: bad\n")
+    overrides = {
+        "missing-source": [f"data.source={tmp_path / 'nope.txt'}"],
+        "missing-prepared-dir": [f"data.output_dir={tmp_path / 'removed'}", f"data.source={tmp_path / 'gone'}"],
+        "vocab": [f"data.output_dir={prepared_dir}", "model.vocab_size=20", "data.tokenizer.vocab_size=20"],
+        "resume-tag": [f"data.output_dir={prepared_dir}", "checkpoint.resume=step_00000099"],
+        "empty-config": [],
+    }[case]
+    if case == "empty-config":
+        config.write_text("# nothing here yet\n")
+    if case == "vocab":  # the tokenizer fits the model, one shard's ids do not
+        out = shutil.copytree(prepared_dir, tmp_path / "copy")
+        index = json.loads((out / "index.json").read_text())
+        index["vocab_size"] = 20
+        (out / "index.json").write_text(json.dumps(index))
+        overrides[0] = f"data.output_dir={out}"
+    assert run.main(["--config", str(config), *tiny_overrides(tmp_path, *overrides)]) == 2
+    err = capsys.readouterr().err
+    expected = {"missing-source": "nope.txt' does not exist", "missing-prepared-dir": "removed does not exist",
+                "vocab": ">= model.vocab_size=20", "resume-tag": "config key 'checkpoint.resume': no checkpoint",
+                "empty-config": "c.yaml is empty"}[case]
+    assert expected in err, err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
