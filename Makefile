@@ -3,6 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# DeepSpeed JIT-builds its CPU comm op here: once per environment, not per launch.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # torch first and pinned: an unpinned torch drags in gigabytes of CUDA wheels.
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
