@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import Config, ModelConfig, RoutingConfig
-from .routing.dispatch import capacity_k
+from .model.routing.dispatch import capacity_k
 
 BACKWARD_FACTOR = 2  # backward = grad w.r.t. inputs + grad w.r.t. weights = 2 x forward
 

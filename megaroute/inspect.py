@@ -13,18 +13,19 @@ import json
 
 from torch import nn
 
-from .config import Config
+from .config import Config, load_config
 from .config.cli import add_config_args
 from .flops import COMPONENTS, config_flops, training_proxy
 from .memory import estimate_memory
+from .model import build_model
+from .model.routing import is_controller_param
+from .parallel import TensorParallelModule
+
 
 def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
     head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
     norms stay whole on every rank. Tied weights once."""
-    from .parallel import TensorParallelModule
-    from .routing import is_controller_param
-
     out: dict[int, nn.Parameter] = {}
     for name, m in model.named_modules():
         if isinstance(m, TensorParallelModule) and not is_controller_param(name):
@@ -47,8 +48,6 @@ def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
 
 
 def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: int) -> dict:
-    from .model import build_model
-
     model = build_model(cfg.model, cfg.routing, device="meta")
     params = param_counts(model, tp)
     flops = config_flops(cfg)
@@ -156,8 +155,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_config
-
     cfg = load_config(args.config, args.overrides)
     layout = {
         "zero_stage": cfg.optim.zero_stage if args.zero_stage is None else args.zero_stage,

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig, RoutingConfig
-from .routing.dispatch import capacity_k
+from .model.routing.dispatch import capacity_k
 
 # Bytes per parameter: (weights, gradients, fp32 states: master/fp32-grads/Adam).
 STATE_BYTES = {"mixed": (2, 2, 16), "fp32": (4, 4, 8)}

@@ -19,6 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError, load_config
+from ..data.loader import PackedDataset, SequenceLoader
+from ..data.tokenizers import load_tokenizer
+from ..hf.modeling_megaroute import megaroute_sections
+from ..model import build_model
+from ..train.run import resolve_init_from
 from . import analysis
 
 AUDITABLE = ("mod", "random", "stride", "first_k", "depth_gate", "halting")
@@ -49,10 +54,8 @@ def load_hf_model(path: str, device: str = "cpu"):
     The config's data section is a placeholder: the caller names the prepared data directory."""
     from transformers import AutoModelForCausalLM
 
-    from ..config import Config
 
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-    from ..hf.modeling_megaroute import megaroute_sections
 
     model_cfg, routing_cfg = megaroute_sections(hf.config)
     cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
@@ -63,9 +66,6 @@ def load_hf_model(path: str, device: str = "cpu"):
 def load_run_model(path: str, device: str = "cpu"):
     """-> (model in eval mode, its Config) from a run or checkpoint path (tensor-parallel degree 1)
     or a converted Hugging Face directory."""
-    from ..model import build_model
-    from ..train.run import resolve_init_from
-
     if is_hf_dir(path):
         return load_hf_model(path, device)
     cfg = load_config(find_config(path))
@@ -285,9 +285,6 @@ def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:
 
 def batches_for(cfg: Config, split: str, tokens: int, batch_size: int, data_dir: Optional[str] = None):
     """Deterministic evaluation batches covering about `tokens` tokens of a prepared split."""
-    from ..data.loader import PackedDataset, SequenceLoader
-    from ..data.tokenizers import load_tokenizer
-
     out_dir = data_dir or cfg.data.output_dir
     tokenizer = load_tokenizer(out_dir)
     dataset = PackedDataset(out_dir, split, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,

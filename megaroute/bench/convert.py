@@ -25,6 +25,12 @@ import time
 
 import torch
 
+from ..config import load_config
+from ..data.tokenizers import CharTokenizer
+from ..hf.synthetic import write_checkpoint
+from ..model import build_model
+from ..model.routing import MoDLayer
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -40,10 +46,6 @@ def peak_rss_bytes() -> int:
 
 def make_run(config: str, workdir: str, tokenizer_path: str, tokenizer_hash: str,
              overrides: list[str] = ()) -> tuple[str, int]:
-    from ..config import load_config
-    from ..hf.synthetic import write_checkpoint
-    from ..model import build_model
-
     cfg = load_config(config, ["checkpoint.dir=checkpoints", "model.dtype=float32", *overrides])
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.routing)
@@ -60,8 +62,6 @@ def calibrate_predictors(model, capacity: float, vocab: int, tokens: int = 512) 
     """Shifts each MoD causal predictor's output bias so it passes `capacity` of the tokens of a
     random sequence, as a trained predictor does (random weights pass about half). Layer by layer:
     a layer's inputs depend on the decisions before it."""
-    from ..routing import MoDLayer
-
     x = torch.randint(0, vocab, (1, min(tokens, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(1))
     for layer in model.layers:
         if not isinstance(layer, MoDLayer):
@@ -114,7 +114,6 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ..data.tokenizers import CharTokenizer
 
     work = args.workdir or tempfile.mkdtemp(prefix="megaroute-bench-convert-")
     tok = CharTokenizer(open(os.path.join(REPO, "data/tinyshakespeare.txt")).read())

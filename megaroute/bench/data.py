@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 from ..config import DataConfig, TokenizerConfig, load_config
 from ..data.ingest import open_corpus
+from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import MIN_BYTES_PER_WORKER, prepare
 from ..data.tokenizers import SentencePieceTokenizer, train_sentencepiece
+from ..model import build_model
 
 BUNDLED = "data/tinyshakespeare.txt"
 TINY_CONFIG = "configs/tiny.yaml"
@@ -126,8 +128,6 @@ def loader_overhead(out_dir: str, steps: int) -> tuple[float, float]:
     """
     import torch
 
-    from ..data.loader import PackedDataset, SequenceLoader
-    from ..model import build_model
 
     if not os.path.exists(TINY_CONFIG):
         raise SystemExit(f"{TINY_CONFIG} not found: run from the repository root")

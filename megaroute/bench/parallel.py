@@ -15,15 +15,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..config import ModelConfig, RoutingConfig
+from ..inspect import param_counts
+from ..model import build_model
+from ..model.routing.dispatch import capacity_k
 from ..parallel import collectives
-from ..routing.dispatch import capacity_k
+from ..parallel.testing import run_distributed
 
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -62,8 +64,6 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
         tp_ops += 4
         tp_bytes *= accumulation
         tp_ops *= accumulation
-    from ..inspect import param_counts
-    from ..model import build_model
 
     # Attention, FFN, embedding and LM head are split over tp; routing controllers and norms are replicated.
     local = param_counts(build_model(model, routing, device="meta"), tp)["per_tp_rank"]
@@ -77,7 +77,6 @@ def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, s
     """Seconds per training step, measured on every rank between barriers."""
     import torch.distributed as dist
 
-    from ..model import build_model
 
     torch.set_num_threads(threads)
     group = dist.new_group(list(range(world))) if world > 1 else None
@@ -107,8 +106,6 @@ def _fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..parallel.testing import run_distributed
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)

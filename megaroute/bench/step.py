@@ -34,9 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import ModelConfig, RoutingConfig
-from ..flops import flops_per_token
+from ..config import ModelConfig, RoutingConfig, load_config
+from ..flops import flops_per_token, peak_flops
 from ..model import build_model
+from .convert import calibrate_predictors
 
 TARGET = 1.15
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
@@ -119,8 +120,6 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
 def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> dict[str, tuple[ModelConfig, RoutingConfig]]:
     """name -> (model shape, routing): the built-in small pair, configs/{dense,mod}_<shape>.yaml, or
     explicit config files (named by their `variant`, else their `name`)."""
-    from ..config import load_config
-
     if shape == "small" and not configs:
         return {name: (SHAPE, routing) for name, routing in VARIANTS.items()}
     paths = configs or [str(CONFIGS / f"dense_{shape}.yaml"), str(CONFIGS / f"mod_{shape}.yaml")]
@@ -202,8 +201,6 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
 
 def device_peak_tflops(override: Optional[float] = None) -> tuple[Optional[float], str]:
     """-> (dense 16-bit tensor-core peak TFLOP/s of the current GPU, where it comes from)."""
-    from ..flops import peak_flops
-
     if override:
         return override, "--peak-tflops"
     name = torch.cuda.get_device_name()
@@ -256,8 +253,6 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, fraction
     of tokens the routed blocks ran, or None for a dense model). Random weights; with `calibrate`,
     MoD's causal predictors pass the configured capacity, as trained ones do."""
-    from .convert import calibrate_predictors
-
     torch.manual_seed(0)
     model = build_model(shape, routing)
     if calibrate:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from . import DataError
+from .loader import PackedDataset
+from .prepare import prepare
+
 
 def add_parser(sub) -> None:
     from megaroute.config.cli import add_config_args
@@ -29,8 +33,6 @@ def _fail(error: Exception) -> int:
 def run_prepare(args) -> int:
     from megaroute.config import load_config
 
-    from . import DataError
-    from .prepare import prepare
 
     cfg = load_config(args.config, args.overrides)
     try:
@@ -55,9 +57,6 @@ def run_prepare(args) -> int:
 
 
 def run_verify(args) -> int:
-    from . import DataError
-    from .loader import PackedDataset
-
     try:
         splits = PackedDataset(args.output_dir, seq_len=1).index["splits"]
         for split in splits:

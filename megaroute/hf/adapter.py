@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from ..config import ModelConfig, RoutingConfig
+from ..model import build_model
 from ..parallel import ColumnParallelLinear, TensorParallelModule
 
 PREFIX = "model."
@@ -32,8 +33,6 @@ class StateDictAdapter:
     """Knows the full (TP=1) parameter layout of one model config; converts in both directions."""
 
     def __init__(self, model_cfg: ModelConfig, routing_cfg: RoutingConfig):
-        from ..model import build_model
-
         model = build_model(model_cfg, routing_cfg, device="meta")  # structure only, no memory
         state = model.state_dict(keep_vars=True)
         self.shapes = {k: tuple(v.shape) for k, v in state.items()}

@@ -26,8 +26,12 @@ from typing import Optional
 
 import torch
 
+from ..data import DataError
+from ..data.tokenizers import load_tokenizer
 from .adapter import StateDictAdapter
-from .reader import ConversionError, CheckpointSource, client_state, locate, materialize, rank_state_dicts
+from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
+from .reader import CheckpointSource, ConversionError, client_state, locate, materialize, rank_state_dicts
+from .tokenizer import copy_tokenizer_source, export_tokenizer
 
 HF_FILES = ("configuration_megaroute.py", "modeling_megaroute.py")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,9 +54,6 @@ def _plan_shards(adapter: StateDictAdapter, dtype: Optional[torch.dtype], max_by
 
 
 def _tokenizer(src: CheckpointSource, path: Optional[str]):
-    from ..data import DataError
-    from ..data.tokenizers import load_tokenizer
-
     where = path or src.config.data.output_dir
     try:
         return load_tokenizer(where)
@@ -126,7 +127,6 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
 def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str, dtype: torch.dtype) -> None:
     from transformers import GenerationConfig
 
-    from .configuration_megaroute import MegarouteConfig
 
     for f in HF_FILES:
         shutil.copyfile(os.path.join(os.path.dirname(__file__), f), os.path.join(out, f))
@@ -148,9 +148,6 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
             dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> str:
     """Converts one checkpoint; returns the output directory."""
-    from .configuration_megaroute import ROUTING_MODES
-    from .tokenizer import copy_tokenizer_source, export_tokenizer
-
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise ConversionError(f"{out} already exists; pass --force to replace it")

@@ -1,4 +1,4 @@
-"""Dense decoder-only transformer pieces; routed layers live in megaroute.routing."""
+"""Dense decoder-only transformer pieces; routed layers live in megaroute.model.routing."""
 
 from .transformer import DTYPES, ModelOutput, Transformer, build_model
 

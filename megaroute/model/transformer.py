@@ -24,6 +24,7 @@ from ..parallel.mappings import Group
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
+from .routing import DenseLayer, RoutingContext, build_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,8 +46,6 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, routing: RoutingConfig, tp_group: Group = None,
                  activation_checkpointing: bool = False):
         super().__init__()
-        from ..routing import build_layer  # routing builds on model.block; import here avoids a cycle
-
         self.cfg = cfg
         self.tp_group = tp_group
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
@@ -101,8 +100,6 @@ class Transformer(nn.Module):
         sequence at position `cache.seen`, and each layer appends the keys/values of the tokens it ran.
         `key_mask` ([B, T] bool, with a cache) marks padding (False): those tokens never become keys.
         """
-        from ..routing import RoutingContext
-
         B, T = tokens.shape
         start = 0 if cache is None else cache.seen
         if start + T > self.cfg.max_seq_len:
@@ -146,8 +143,6 @@ class Transformer(nn.Module):
         return KVCache(len(self.layers))
 
     def _check_cacheable(self, routing_mode: str, targets: Optional[torch.Tensor]) -> None:
-        from ..routing import DenseLayer
-
         routed = any(not isinstance(layer, DenseLayer) for layer in self.layers)
         if routed and routing_mode == "topk":
             # Top-k ranks a token against later ones: a prefix's decisions change as tokens arrive.
@@ -166,8 +161,6 @@ class Transformer(nn.Module):
 
         Routed layers decide as in training ("topk"), except where `force` pins a path.
         """
-        from ..routing import RoutingContext
-
         ctx = RoutingContext(mode="topk", force=force)
         for i in range(start + 1, len(self.layers)):
             x = self.layers[i](x, pos, ctx, f"layer_{i}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
+from .spec import SweepSpecError
 
 
 def _client(uri: str):
@@ -22,8 +23,6 @@ def _client(uri: str):
 
 def require_server_uri(uri: Optional[str], spec_path: str) -> str:
     """Array tasks write concurrently from many nodes: SQLite on a shared filesystem corrupts."""
-    from .spec import SweepSpecError
-
     if not uri or not uri.startswith(("http://", "https://", "databricks")):
         raise SweepSpecError(spec_path, "overrides", f"tracking.uri is {uri!r}; a Slurm sweep needs an MLflow "
                              "server (start one with slurm/mlflow_server.sh, then add tracking.uri=http://HOST:PORT)")

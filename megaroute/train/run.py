@@ -14,7 +14,6 @@ import random
 import socket
 import subprocess
 import sys
-import time
 import traceback
 from typing import Optional
 
@@ -22,10 +21,23 @@ import numpy as np
 import torch
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
-from ..parallel import ParallelLayout, collectives
-from .checkpoint import CheckpointError
+from ..data import INDEX_FILE, DataError
+from ..data.loader import PackedDataset, SequenceLoader
+from ..data.prepare import preflight, prepare
+from ..data.tokenizers import load_tokenizer
+from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
+from ..model import build_model
+from ..model.routing import freeze_base, is_controller_param
+from ..model.routing.context import eval_modes
+from ..parallel import ParallelLayout, collectives, shard_full_state_dict
+from . import engine as ds
+from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
+                        SpeedMeter)
+from .checkpoint import LATEST, TAG_RE, CheckpointError, CheckpointManager
 from .env import DistEnv, detect_env, release
+from .loop import Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
+from .tracking import MLflowTracker, default_uri
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -58,8 +70,6 @@ def _seed_everything(seed: int) -> None:
 
 def _peak_flops(cfg: Config, env: DistEnv) -> float:
     """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak."""
-    from ..flops import peak_flops
-
     if cfg.train.peak_flops:
         return cfg.train.peak_flops
     if env.device == "cpu":
@@ -83,10 +93,6 @@ def check_data(cfg: Config):
     reported as a missing prepared directory (naming data.output_dir) that cannot be prepared
     (naming data.source and the file). Returns None.
     Raises DataError (exit 2)."""
-    from ..data import INDEX_FILE, DataError
-    from ..data.loader import PackedDataset
-    from ..data.prepare import preflight
-
     out = cfg.data.output_dir
     if not os.path.isfile(os.path.join(out, INDEX_FILE)):
         try:
@@ -105,8 +111,6 @@ def check_resume_tag(cfg: Config) -> None:
     """An explicit checkpoint.resume (not auto/none) must name an existing checkpoint directory under
     <run_dir>/<checkpoint.dir>; it is looked up by its last path component, as `CheckpointManager`
     does. Existence only: the manifest and checksums are verified after the process group starts."""
-    from .checkpoint import TAG_RE
-
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none"):
         return
@@ -122,14 +126,6 @@ def check_resume_tag(cfg: Config) -> None:
 
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
-    from ..flops import flops_per_token
-    from ..model import build_model
-    from . import engine as ds
-    from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter,
-                            RoutingStateSync, SpeedMeter)
-    from .checkpoint import CheckpointManager
-    from .loop import Trainer, TrainState
-
     # ---- checks that need no process group ----
     layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
     dp_rank, dp_size = layout.dp_rank, layout.dp
@@ -148,8 +144,6 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         with open(os.path.join(run_dir, "ds_config.json"), "w") as f:
             json.dump(ds_config, f, indent=1)
         if not os.path.isfile(os.path.join(cfg.data.output_dir, "index.json")):
-            from ..data.prepare import prepare
-
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)
     collectives.barrier()
@@ -162,8 +156,6 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     if init_path:
         _init_from(model, init_path, controller_only=cfg.train.controller_only)
     if cfg.train.controller_only:
-        from ..routing import freeze_base
-
         trainable = freeze_base(model)
         if env.is_main:
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -178,7 +170,6 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     # oracle-label sampling, rank-loss pairs) stay identical across them.
     _seed_everything(cfg.train.seed + dp_rank)
 
-    from ..data.loader import SequenceLoader
 
     loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
                             cfg.data.seed)
@@ -242,9 +233,6 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
 
 def _datasets(cfg: Config):
-    from ..data.loader import PackedDataset
-    from ..data.tokenizers import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.data.output_dir)
     kw = dict(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size, tokenizer_hash=tokenizer.hash)
     return PackedDataset(cfg.data.output_dir, "train", **kw), PackedDataset(cfg.data.output_dir, "val", **kw), tokenizer
@@ -271,7 +259,6 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
 def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
     if not cfg.tracking.enabled:
         return None
-    from .tracking import MLflowTracker, default_uri
 
     tags = {"variant": cfg.variant, "size": cfg.size, "seed": str(cfg.train.seed), "git_commit": _git_commit(),
             "host": socket.gethostname(), "world_size": str(env.world_size), "routing": cfg.routing.method,
@@ -279,7 +266,6 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
             **({"slurm_array_job_id": os.environ["SLURM_ARRAY_JOB_ID"]} if "SLURM_ARRAY_JOB_ID" in os.environ else {}),
             **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
             **cfg.tracking.tags}
-    from ..flops import config_flops, training_proxy
 
     flops = config_flops(cfg)
     params = {**flatten(cfg), "flops.train_per_token": flops.per_token(training=True),
@@ -300,8 +286,6 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
 
 def _param_groups_by_role(model) -> dict[str, list]:
     """Trainable parameters split into the base model and the routing controller (for grad norms)."""
-    from ..routing import is_controller_param
-
     groups: dict[str, list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -313,9 +297,6 @@ def _param_groups_by_role(model) -> dict[str, list]:
 def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[str, float]:
     """Mean validation loss over a fixed set of batches in each routing mode of the method, plus
     the token-layer operations executed (TLOps) and full-path fraction where the method has them."""
-    from ..data.loader import SequenceLoader
-    from ..routing.context import eval_modes
-
     mb = cfg.train.micro_batch_size
     as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=engine.device)
     engine.eval()
@@ -347,8 +328,6 @@ def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[
 def resolve_init_from(path: str) -> str:
     """checkpoint.init_from: a model-states file, a checkpoint tag directory, a checkpoints root
     (its `latest`) or a run directory (its checkpoints/latest) -> the model-states file."""
-    from .checkpoint import LATEST
-
     candidates = [path]
     if os.path.isdir(path):
         roots = [path, os.path.join(path, "checkpoints")]
@@ -369,9 +348,6 @@ def _init_from(model, path: str, controller_only: bool = False) -> None:
     """Loads model weights from a checkpoint (strict=False: a routed model has controller modules a
     dense checkpoint lacks). Every base parameter must be present: a silently random base would
     make controller-only training meaningless."""
-    from ..parallel import shard_full_state_dict
-    from ..routing import is_controller_param
-
     state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
     weights = state.get("module", state)
     if not weights:
@@ -406,8 +382,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"pretrain: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except Exception as e:
-        from ..data import DataError
-
         if isinstance(e, DataError):
             print(f"pretrain: data error: {e}", file=sys.stderr)
             return EXIT_CONFIG_ERROR

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaroute.routing.context import eval_modes
+from megaroute.model.routing.context import eval_modes
 
 pytestmark = pytest.mark.cuda
 

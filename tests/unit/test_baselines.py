@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaroute.model.rope import Positions
-from megaroute.routing import CapacityBaselineLayer, DenseLayer, RoutingContext, dispatch, freeze_base
+from megaroute.model.routing import CapacityBaselineLayer, DenseLayer, RoutingContext, dispatch, freeze_base
 
 from .routing_checks import assert_causal, op_counts, record_updates, rows, tokens_for
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.routing import DepthGateLayer, freeze_base, is_controller_param
-from megaroute.routing.depth_gate import pairwise_rank_loss
+from megaroute.model.routing import DepthGateLayer, freeze_base, is_controller_param
+from megaroute.model.routing.depth_gate import pairwise_rank_loss
 
 GATED = ("routing.method=depth_gate", "routing.every=1", "routing.offset=0")  # all 4 blocks gated
 G1 = (*GATED, "routing.depth_gate.gate=mlp")
@@ -286,7 +286,7 @@ def test_oracle_layers_labels_a_random_subset_per_step(make_model):
 def _thresholds_after_sync(rank: int, world_size: int, overrides: tuple[str, ...]):
     from megaroute.config import load_config
     from megaroute.model import build_model
-    from megaroute.routing import average_causal_thresholds
+    from megaroute.model.routing import average_causal_thresholds
 
     cfg = load_config(None, list(overrides))
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megaroute.model.rope import Positions
-from megaroute.routing import EarlyExitLayer, RoutingContext, freeze_base
+from megaroute.model.routing import EarlyExitLayer, RoutingContext, freeze_base
 
 from .routing_checks import assert_causal, op_counts, record_updates, rows, tokens_for
 

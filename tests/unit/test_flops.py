@@ -9,7 +9,6 @@ attention decomposes into counted bmm's.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import pytest
@@ -18,18 +17,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from megaroute.config import Config, DepthGateConfig, ModelConfig, ParallelConfig, RoutingConfig
-from megaroute.flops import (
-    COMPONENTS,
-    config_flops,
-    estimate_flops,
-    flops_per_token,
-    mfu,
-    peak_flops,
-    training_proxy,
-)
+from megaroute.flops import (COMPONENTS, config_flops, estimate_flops, flops_per_token, mfu, peak_flops, training_proxy)
 from megaroute.model import build_model
-from megaroute.routing import freeze_base
-from megaroute.routing.dispatch import capacity_k
+from megaroute.model.routing import freeze_base
+from megaroute.model.routing.dispatch import capacity_k
 
 aten = torch.ops.aten
 CPU_FLASH_FLOPS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megaroute.model.rope import Positions
-from megaroute.routing import DenseLayer, HaltingLayer, RoutingContext, freeze_base
+from megaroute.model.routing import DenseLayer, HaltingLayer, RoutingContext, freeze_base
 
 from .routing_checks import assert_causal, op_counts, record_updates, rows, tokens_for
 

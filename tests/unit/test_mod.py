@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from megaroute.model import build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions
-from megaroute.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
+from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
 
 MOD = ("routing.method=mod", "routing.every=2", "routing.offset=1")  # layers 1 and 3 routed of 4
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megaroute.model import Transformer, build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
-from megaroute.routing import DenseLayer
+from megaroute.model.routing import DenseLayer
 
 
 def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:

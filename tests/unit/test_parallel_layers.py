@@ -131,7 +131,7 @@ def test_parallel_layer_matches_plain_layer_at_tp2(layer_results, key):
 
 def _model_checks(rank: int, world: int) -> dict:
     from megaroute.model import build_model
-    from megaroute.routing import dispatch
+    from megaroute.model.routing import dispatch
 
     group = dist.new_group(list(range(world)))
     chosen: list[torch.Tensor] = []

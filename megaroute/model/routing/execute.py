@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..model.block import TransformerBlock
-from ..model.rope import Positions
+from ..block import TransformerBlock
+from ..rope import Positions
 from . import dispatch
 from .dispatch import Dispatcher
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, RoutingConfig
-from ..model.block import TransformerBlock
-from ..model.rope import Positions
+from ...config import ModelConfig, RoutingConfig
+from ..block import TransformerBlock
+from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
 from .execute import update_selected

@@ -23,8 +23,8 @@ import torch
 
 from megaroute.config import ModelConfig, RoutingConfig
 from megaroute.model.rope import Positions, RotaryEmbedding
-from megaroute.routing import build_layer
-from megaroute.routing.context import RoutingContext
+from megaroute.model.routing import build_layer
+from megaroute.model.routing.context import RoutingContext
 
 from . import reference as ref
 from .backend import resolve

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DepthGateConfig, ModelConfig, RoutingConfig
-from ..model.block import TransformerBlock
-from ..model.mlp import SwiGLU
-from ..model.rope import Positions
-from ..parallel import collectives
+from ...config import DepthGateConfig, ModelConfig, RoutingConfig
+from ...parallel import collectives
+from ..block import TransformerBlock
+from ..mlp import SwiGLU
+from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
 

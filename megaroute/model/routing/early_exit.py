@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, RoutingConfig
-from ..model.block import TransformerBlock
-from ..model.rope import Positions
+from ...config import ModelConfig, RoutingConfig
+from ..block import TransformerBlock
+from ..rope import Positions
 from .context import RoutingContext
 from .dispatch import Dispatcher
 from .execute import update_masked

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import ModelConfig, RoutingConfig
-from ..model.block import TransformerBlock
-from ..model.rope import Positions
+from ...config import ModelConfig, RoutingConfig
+from ..block import TransformerBlock
+from ..rope import Positions
 from .baselines import CapacityBaselineLayer
 from .context import RoutingContext
 from .depth_gate import DepthGateLayer, average_causal_thresholds

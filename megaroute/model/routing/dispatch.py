@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megaroute.kernels import check_backend, reference, resolve
+from ...kernels import check_backend, reference, resolve
 
 
 def capacity_k(seq_len: int, capacity: float) -> int:

@@ -5,7 +5,7 @@
     backend    routing.dispatch = auto | torch | triton -> one of the two
     bench      `python -m megaroute.kernels.bench`
 
-Routed layers reach these only through `megaroute.routing.dispatch.Dispatcher`. Importing this
+Routed layers reach these only through `megaroute.model.routing.dispatch.Dispatcher`. Importing this
 package does not import triton; `ops` is loaded on first use of the triton backend.
 """
 

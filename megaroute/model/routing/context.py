@@ -14,6 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .dispatch import mask_indices
+
 MODES = ("topk", "causal", "hard")
 
 
@@ -76,8 +78,6 @@ class RoutingContext:
         """route_mask for layers that select by indices (valid marks real rows of a ragged batch)."""
         if not (self.record or name in self.masks):
             return idx, valid
-        from .dispatch import mask_indices
-
         mask = torch.zeros(idx.shape[0], seq_len, dtype=torch.bool, device=idx.device)
         mask.scatter_(1, idx, True if valid is None else valid)
         routed = self.route_mask(name, mask)
