@@ -79,7 +79,10 @@ class DepthGateConfig:
     # G1 "mlp": hidden state -> utility score. G3 "jepa": an action-conditional predictor forecasts,
     # in a small latent space, the outcome of full vs cheap; the score reads the forecasts.
     gate: Literal["mlp", "jepa"] = "mlp"
-    # Fraction of tokens per sequence that take the full FFN.
+    # Fraction of tokens per sequence that take the full FFN. A separate word from
+    # routing.capacity on purpose: capacity is the fraction that runs a block at all (the rest
+    # skip it), budget the fraction that runs the full FFN (the rest run the cheap one; nobody
+    # skips attention). Both are exact per sequence in top-k mode.
     budget: float = 0.5
     gate_hidden: int = 64
     # Cheap path: "low_rank" = x -> (r) -> x with SiLU; "narrow" = a SwiGLU with a small hidden size.
@@ -164,8 +167,9 @@ class RoutingConfig:
     # Block i is routed when i % every == offset (every=2, offset=1: blocks 1, 3, 5, ...).
     every: int = 2
     offset: int = 1
-    # Router weight on the residual update: identity (the paper's raw weight) or sigmoid.
-    gate: Literal["identity", "sigmoid"] = "identity"
+    # How a capacity router's score weights the routed block's residual update: identity (the
+    # paper's raw weight) or sigmoid. (Not the depth gate's scorer, routing.depth_gate.gate.)
+    router_weight: Literal["identity", "sigmoid"] = "identity"
     # How routed blocks decide causally at evaluation/sampling time.
     causal_method: Literal["aux_loss", "predictor"] = "aux_loss"
     aux_loss_weight: float = 0.01

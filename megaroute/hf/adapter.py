@@ -10,7 +10,7 @@ Everything else (norms, routers, gates) is replicated: rank 0's copy is used.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -60,12 +60,6 @@ class StateDictAdapter:
     def to_hf_name(key: str) -> str:
         return PREFIX + key
 
-    @staticmethod
-    def from_hf_name(name: str) -> str:
-        if not name.startswith(PREFIX):
-            raise KeyError(f"{name}: not a megaroute parameter name (expected the prefix {PREFIX!r})")
-        return name[len(PREFIX):]
-
     def merge(self, key: str, shards: list[torch.Tensor], source: str = "") -> torch.Tensor:
         """TP shards of one tensor -> the full tensor, checked against the model's shape."""
         where = f" ({source})" if source else ""
@@ -81,10 +75,3 @@ class StateDictAdapter:
             raise ValueError(f"{key}: shape {tuple(full.shape)} after merging {len(shards)} TP shard(s), expected "
                              f"{self.shapes[key]}{where} (a checkpoint of a different model config?)")
         return full
-
-    def to_hf(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for key, tensor in items:
-            yield self.to_hf_name(key), tensor
-
-    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.from_hf_name(k): v for k, v in state.items()}

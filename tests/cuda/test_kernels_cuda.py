@@ -119,7 +119,7 @@ def _losses(make_model, overrides, dtype: str, steps: int = 3) -> torch.Tensor:
 
 
 ROUTED = {
-    "mod": ("routing.method=mod", "routing.capacity=0.25", "routing.gate=sigmoid"),
+    "mod": ("routing.method=mod", "routing.capacity=0.25", "routing.router_weight=sigmoid"),
     "depth_gate": ("routing.method=depth_gate",),
     "halting": ("routing.method=halting", "routing.halting.tau=0.85"),
     "early_exit": ("routing.method=early_exit", "routing.early_exit.threshold=0.5"),

@@ -91,7 +91,8 @@ BAD_OVERRIDES = [
     ("model.dtype=fp16", "model.dtype", ["must be one of", "'float16'"]),
     ("model.dtype=float64", "model.dtype", ["must be one of"]),
     ("routing.method=moe", "routing.method", ["'none', 'mod'"]),
-    ("routing.gate=Sigmoid", "routing.gate", ["did you mean 'sigmoid'"]),
+    ("routing.router_weight=Sigmoid", "routing.router_weight", ["did you mean 'sigmoid'"]),
+    ("routing.gate=sigmoid", "routing.gate", ["was renamed to routing.router_weight"]),
     ("optim.schedule=linear", "optim.schedule", ["'cosine'"]),
     # cross-section checks
     ("data.seq_len=128", "data.seq_len", ["exceeds model.max_seq_len=64"]),
@@ -429,7 +430,7 @@ def test_round_trip_non_trivial(make_config, tmp_path):
         "model.norm_eps=1e-6",
         "routing.method=mod",
         "routing.capacity=0.125",
-        "routing.gate=sigmoid",
+        "routing.router_weight=sigmoid",
         "routing.causal_method=predictor",
         "optim.lr=3e-5",
         "optim.min_lr=3e-6",

@@ -240,7 +240,7 @@ def _train(make_model, overrides, steps=3):
     return torch.tensor(losses)
 
 
-@pytest.mark.parametrize("method", [("routing.method=mod", "routing.capacity=0.25", "routing.gate=sigmoid"),
+@pytest.mark.parametrize("method", [("routing.method=mod", "routing.capacity=0.25", "routing.router_weight=sigmoid"),
                                     ("routing.method=depth_gate",)])
 def test_routed_model_trains_the_same_with_triton_dispatch(ops, make_model, method):
     torch_losses = _train(make_model, (*method, "routing.dispatch=torch"))

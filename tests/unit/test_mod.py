@@ -1,7 +1,7 @@
 """Mixture-of-Depths: each known way public implementations get the routing wrong, tested.
 
-The specification is DESIGN.md "Routing semantics": route -> top-k (sorted) -> gather with original
-positions -> block update -> combine once, weighted by g(router logit).
+The specification is megaroute/model/routing/mod.py's docstring: route -> top-k (sorted) -> gather
+with original positions -> block update -> combine once, weighted by g(router logit).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
 
 
-def unit_gate(monkeypatch, layer: MoDLayer) -> None:
-    monkeypatch.setattr(layer, "gate", lambda r: torch.ones_like(r))
+def unit_router_weight(monkeypatch, layer: MoDLayer) -> None:
+    monkeypatch.setattr(layer, "weight_fn", lambda r: torch.ones_like(r))
 
 
 def full_positions(rope, B: int, T: int) -> Positions:
@@ -111,7 +111,7 @@ def test_routed_every_nth_block_each_with_its_own_router(make_model):
 @pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
 def test_router_receives_gradient_through_the_gate(make_model, gate, causal_method):
     # The LM loss alone (no auxiliary loss) must train the router: it sits on the gradient path.
-    model, cfg = make_model(*MOD, f"routing.gate={gate}", f"routing.causal_method={causal_method}",
+    model, cfg = make_model(*MOD, f"routing.router_weight={gate}", f"routing.causal_method={causal_method}",
                             "routing.capacity=0.5")
     tokens = tokens_for(cfg, 2, 16)
     out = model(tokens, tokens)
@@ -147,7 +147,7 @@ def test_capacity_one_with_unit_gate_equals_dense(make_model, monkeypatch):
     assert (mod(tokens).logits - ref).abs().max() > 1e-4
 
     for layer in mod_layers(mod):
-        unit_gate(monkeypatch, layer)
+        unit_router_weight(monkeypatch, layer)
     out = mod(tokens, tokens)
     assert torch.equal(out.logits, ref)
     assert out.routing_stats["layer_1/selected_frac"].item() == 1.0
@@ -156,7 +156,7 @@ def test_capacity_one_with_unit_gate_equals_dense(make_model, monkeypatch):
 def test_gathered_tokens_get_original_rope_positions(make_layer, monkeypatch):
     # attn=20: sharper attention than at init, so that positions visibly matter
     layer, rope, cfg = make_layer("routing.capacity=0.4", attn=20.0)
-    unit_gate(monkeypatch, layer)
+    unit_router_weight(monkeypatch, layer)
     B, T = 2, 13
     k = dispatch.capacity_k(T, 0.4)
     assert k == 5
@@ -182,7 +182,7 @@ def test_gathered_tokens_get_original_rope_positions(make_layer, monkeypatch):
 
 @pytest.mark.parametrize("gate", ["identity", "sigmoid"])
 def test_update_is_gate_times_block_delta(make_layer, gate):
-    layer, rope, cfg = make_layer(f"routing.gate={gate}", "routing.capacity=0.3", attn=5.0)
+    layer, rope, cfg = make_layer(f"routing.router_weight={gate}", "routing.capacity=0.3", attn=5.0)
     B, T = 3, 11
     x = torch.randn(B, T, cfg.model.d_model)
     out, _ = run_layer(layer, rope, x)
@@ -209,10 +209,10 @@ def test_residual_added_exactly_once(make_layer, monkeypatch, mode):
     assert torch.equal(out, x)
 
 
-def test_selected_tokens_equal_block_output_with_unit_gate(make_layer, monkeypatch):
+def test_selected_tokens_equal_block_output_with_unit_router_weight(make_layer, monkeypatch):
     # out[idx] = x[idx] + 1 * delta = block(x[idx]); a second residual would give x[idx] + block(x[idx])
     layer, rope, cfg = make_layer("routing.capacity=0.5")
-    unit_gate(monkeypatch, layer)
+    unit_router_weight(monkeypatch, layer)
     x = torch.randn(2, 10, cfg.model.d_model)
     out, _ = run_layer(layer, rope, x)
     idx = layer.router(x).squeeze(-1).topk(5, dim=1).indices.sort(dim=1).values

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import DepthGateConfig, ModelConfig, RoutingConfig
+from ...kernels import reference
 from ...parallel import collectives
 from ..block import TransformerBlock
 from ..mlp import SwiGLU
@@ -186,7 +187,7 @@ class DepthGateLayer(nn.Module):
         The FFNs act per token, so the buffers are flat over the batch: no padding, no per-path
         gather/combine pair; unpermute adds each token's update to its residual h.
         """
-        slot, n_full = dispatch.path_slots(full)
+        slot, n_full = reference.path_slots(full)
         tokens = self.dispatcher.permute(u, slot)
         # Both FFNs run even on an empty buffer: a module skipped on one data-parallel rank only would
         # leave ZeRO-3's parameter all-gathers out of step and hang the others.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import check_backend, reference, resolve
+from ...kernels import check_backend, resolve
 
 
 def capacity_k(seq_len: int, capacity: float) -> int:
@@ -42,12 +42,6 @@ def mask_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     mask = torch.zeros(indices.shape[0], seq_len, dtype=torch.bool, device=indices.device)
     return mask.scatter_(1, indices, True)
-
-
-# The reference ops under their historical names (tests and analysis code use them directly).
-gather_tokens = reference.gather
-combine_tokens = reference.combine
-path_slots = reference.path_slots
 
 
 class Dispatcher:

@@ -1,9 +1,12 @@
-"""Mixture-of-Depths layer (Raposo et al., 2024), exactly as DESIGN.md specifies.
+"""Mixture-of-Depths layer (Raposo et al., 2024). This docstring is the specification:
 
     r     = router(x)                              [B, T]
     idx   = top-k(r, k = max(1, round(c*T))), ascending
     delta = block.update(x[idx], original positions)
     out   = x;  out[idx] += g(r[idx]) * delta      (residual added once; router on the grad path)
+
+g is `routing.router_weight` (identity or sigmoid). Unselected tokens pass through bit for bit;
+selected ones attend only to each other, at their original positions (RoPE).
 
 Top-k over the sequence sees the future, so it is for training only. `causal` mode lets each
 token decide alone: from the sign of its own router logit (trained by an auxiliary BCE toward
@@ -29,7 +32,7 @@ def _identity(r: torch.Tensor) -> torch.Tensor:
 
 
 # Named functions, not lambdas: a module holding a lambda cannot be pickled (torch.save(model)).
-GATES = {"identity": _identity, "sigmoid": torch.sigmoid}
+ROUTER_WEIGHTS = {"identity": _identity, "sigmoid": torch.sigmoid}
 
 
 class CausalPredictor(nn.Module):
@@ -50,7 +53,7 @@ class MoDLayer(nn.Module):
         self.block = block
         self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.capacity = cfg.capacity
-        self.gate = GATES[cfg.gate]
+        self.weight_fn = ROUTER_WEIGHTS[cfg.router_weight]
         self.router = nn.Linear(d_model, 1, bias=False)
         self.causal_method = cfg.causal_method
         self.aux_loss_weight = cfg.aux_loss_weight
@@ -76,7 +79,7 @@ class MoDLayer(nn.Module):
         ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
-        weight = self.gate(logits.gather(1, idx))
+        weight = self.weight_fn(logits.gather(1, idx))
         return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
 
     def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
