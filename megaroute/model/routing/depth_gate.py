@@ -129,8 +129,8 @@ class DepthGateLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         blk = self.block
-        h = x + blk.recomputed(lambda x: blk.attn(blk.attn_norm(x), pos.cos, pos.sin, pos), x)
-        u = blk.mlp_norm(h)
+        h = x + blk.recomputed(lambda x: blk.attn_update(x, pos.cos, pos.sin, pos), x)
+        u = blk.mlp_input(h)
         forced = ctx.forced_path(name)
         if forced is not None:  # analysis / oracle passes: a pinned path needs no scorer
             return self._dispatch(h, u, torch.full(h.shape[:2], forced == "full", device=h.device))
@@ -141,7 +141,7 @@ class DepthGateLayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self._dispatch(h, u, full)
 
-        full_update, cheap_update = blk.recomputed(lambda u: (blk.mlp(u), self.cheap(u)), u)
+        full_update, cheap_update = blk.recomputed(lambda u: (blk.mlp_update(u), self.cheap(u)), u)
         soft = torch.sigmoid(scores)
         # Parenthesized so the forward value is exactly 0 or 1: (soft - soft) is exactly 0.
         w = (full.to(soft.dtype) + (soft - soft.detach())).unsqueeze(-1)
@@ -191,7 +191,7 @@ class DepthGateLayer(nn.Module):
         tokens = self.dispatcher.permute(u, slot)
         # Both FFNs run even on an empty buffer: a module skipped on one data-parallel rank only would
         # leave ZeRO-3's parameter all-gathers out of step and hang the others.
-        y_full, y_cheap = self.block.mlp(tokens[:n_full]), self.cheap(tokens[n_full:])
+        y_full, y_cheap = self.block.mlp_update(tokens[:n_full]), self.cheap(tokens[n_full:])
         ones = torch.ones(full.shape, dtype=h.dtype, device=h.device)
         return self.dispatcher.unpermute(h, slot, ones, y_full, y_cheap)
 
