@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+import torch
+
 from ..config import ConfigError
 from ..train.tracking import default_uri
 from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
@@ -32,9 +34,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-
     if not os.path.exists(args.checkpoint):
         raise ConfigError("", f"checkpoint path {args.checkpoint!r} does not exist")
     hf = is_hf_dir(args.checkpoint)

@@ -44,7 +44,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 from urllib.parse import urlparse
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ..config.schema import DataConfig
 from . import DataError
@@ -217,9 +221,6 @@ class RowReader:
 
 def row_corpus(dataset, text_field: str, origin: str, description: dict) -> Corpus:
     """A `datasets.Dataset` with one document per row of `text_field`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     if text_field not in dataset.column_names:
         raise DataError(
             f"data.text_field: column {text_field!r} not found in {origin} (columns: {', '.join(dataset.column_names)})"
@@ -314,8 +315,6 @@ def _require_hub_reachable(name: str) -> None:
 
 
 def _load_dataset(builder_or_name: str, origin: str, **kwargs):
-    import datasets
-
     try:
         return datasets.load_dataset(builder_or_name, **kwargs)
     except Exception as e:  # datasets/pyarrow raise many types; name the input either way
@@ -344,12 +343,8 @@ def _check_structured(files: list[str], fmt: str, text_field: str) -> None:
         if fmt == "jsonl":
             check_utf8(path, "JSON must be UTF-8 (data.decode_errors applies to text files only)")
             continue
-        import pyarrow as pa
-
         try:
             if fmt == "parquet":
-                import pyarrow.parquet as pq
-
                 names = pq.read_schema(path).names
             else:  # what datasets' arrow builder reads: the IPC stream format, else the file format
                 with open(path, "rb") as f:

@@ -25,6 +25,7 @@ import time
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
@@ -95,7 +96,6 @@ def full_state_dict(path: str, tag: Optional[str] = None) -> dict[str, torch.Ten
 def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
                    max_bytes: int, progress: bool) -> dict:
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     ranks = _checked_rank_state_dicts(src, adapter)
     plan = _plan_shards(adapter, dtype, max_bytes)
