@@ -30,6 +30,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from ..config import DataConfig, TokenizerConfig, load_config
 from ..data.ingest import open_corpus
 from ..data.loader import PackedDataset, SequenceLoader
@@ -126,8 +128,6 @@ def loader_overhead(out_dir: str, steps: int) -> tuple[float, float]:
     Both are CPU time of this thread: with one torch thread all step compute runs here, and
     unlike wall time this is not inflated by other processes preempting us on a shared machine.
     """
-    import torch
-
 
     if not os.path.exists(TINY_CONFIG):
         raise SystemExit(f"{TINY_CONFIG} not found: run from the repository root")

@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..config import ModelConfig, RoutingConfig
 from ..inspect import param_counts
 from ..model import build_model
-from ..model.routing.dispatch import capacity_k
+from ..model.routing import METHODS, method_spec
 from ..parallel import collectives
 from ..parallel.testing import run_distributed
 
@@ -49,12 +50,12 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
     act = BYTES[precision]
     d, B = model.d_model, micro_batch
     tp_bytes, tp_ops = 0.0, 0
+    spec = method_spec(routing.method)
     if tp > 1:
         for layer in range(model.n_layers):
-            # Tokens a block's TP layers see: MoD-style capacity routing runs k tokens; gates that
-            # train both paths (depth gate, halting, early exit) run every token.
-            capacity_routed = routing.is_routed(layer) and routing.method in ("mod", "random", "stride", "first_k")
-            tokens = B * (capacity_k(seq_len, routing.capacity) if capacity_routed else seq_len)
+            # Tokens a block's TP layers see (the spec's `tokens`): capacity routing runs its k tokens;
+            # gates that train both paths (depth gate, halting, early exit) run every token.
+            tokens = B * (spec.tokens(routing, seq_len) if routing.is_routed(layer) else seq_len)
             # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
             tp_bytes += 4 * tokens * d * act
             tp_ops += 4
@@ -75,8 +76,6 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
 def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int, warmup: int,
                  threads: int) -> float:
     """Seconds per training step, measured on every rank between barriers."""
-    import torch.distributed as dist
-
 
     torch.set_num_threads(threads)
     group = dist.new_group(list(range(world))) if world > 1 else None
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--method", default="none", choices=["none", "mod", "depth_gate", "halting"])
+    p.add_argument("--method", default="none", choices=list(METHODS))
     p.add_argument("--tp", type=int, default=2, help="TP size for the communication estimate")
     p.add_argument("--dp", type=int, default=1, help="DP size for the communication estimate")
     p.add_argument("--zero-stage", type=int, default=1)

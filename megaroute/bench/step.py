@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ..config import ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, peak_flops
-from ..model import build_model
+from ..model import ForwardOptions, build_model
 from .convert import calibrate_predictors
 
 TARGET = 1.15
@@ -161,8 +162,6 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
 def profile_mod(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
                 shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None) -> str:
     """Operator table (self CPU time; self device time on CUDA) of MoD training steps, to see where routing time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape)
     trainer.step()  # warm up allocator and kernels outside the profile
     cuda = torch.device(device).type == "cuda"
@@ -263,20 +262,20 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
 
     def decode() -> tuple[float, torch.Tensor]:
         cache = model.new_cache()
-        logits = model(prompt, routing_mode="causal", cache=cache).logits[:, -1]
+        logits = model(prompt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
         out = [prompt]
         sync()
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
-            logits = model(nxt, routing_mode="causal", cache=cache).logits[:, -1]
+            logits = model(nxt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
         sync()
         return time.perf_counter() - t0, torch.cat(out, dim=1)
 
     decode()  # warm-up (kernel compilation, allocator)
     elapsed, seq = min((decode() for _ in range(2)), key=lambda r: r[0])
-    stats = model(seq, routing_mode="causal").routing_stats
+    stats = model(seq, options=ForwardOptions(mode="causal")).routing_stats
     fracs = [float(v) for k, v in stats.items() if k.endswith("/selected_frac")]
     return batch * new_tokens / elapsed, (sum(fracs) / len(fracs) if fracs else None)
 

@@ -22,7 +22,7 @@ from ..train.tracking import default_uri
 from . import report
 from .plan import format_table, plan, pretrain_command
 from .spec import load_spec
-from .tracking import open_parent_run, require_server_uri
+from .mlflow_runs import open_parent_run, require_server_uri
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..train.tracking import default_uri
-from .tracking import find_runs, metric_history
+from .mlflow_runs import find_runs, metric_history
 
 
 def add_parser(sub) -> None:

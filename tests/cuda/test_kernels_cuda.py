@@ -12,6 +12,7 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
+from megaroute.model import ForwardOptions
 
 from ..unit.test_kernels import TOL, _indices, _rand, _run
 
@@ -113,7 +114,7 @@ def _losses(make_model, overrides, dtype: str, steps: int = 3) -> torch.Tensor:
         opt.step()
         model.eval()
         with torch.no_grad():  # top-k, causal (ragged dispatch / single-path FFNs) and hard
-            rows.append([out.loss.item(), *(model(tokens, tokens, routing_mode=m).lm_loss.item()
+            rows.append([out.loss.item(), *(model(tokens, tokens, options=ForwardOptions(mode=m)).lm_loss.item()
                                             for m in ("topk", "causal", "hard"))])
     return torch.tensor(rows)
 

@@ -9,6 +9,7 @@ import torch
 
 from megaroute.audit import analysis
 from megaroute.audit.report import audit_model, write_report
+from megaroute.model import ForwardOptions
 
 
 def _mask(B=3, T=16, p=0.3, seed=0):
@@ -74,10 +75,10 @@ def test_decision_hooks_record_and_override_every_auditable_layer(make_model, ro
     mode = "hard" if "halting" in routing[0] else "topk"
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     with torch.no_grad():
-        learned = model(x, routing_mode=mode, record_decisions=True).decisions
+        learned = model(x, options=ForwardOptions(mode=mode, record_decisions=True)).decisions
         assert learned and all(m.shape == (2, 16) and m.dtype == torch.bool for m in learned.values())
         flipped = {k: ~m for k, m in learned.items()}
-        out = model(x, routing_mode=mode, masks=flipped, record_decisions=True)
+        out = model(x, options=ForwardOptions(mode=mode, masks=flipped, record_decisions=True))
     for k in learned:
         assert torch.equal(out.decisions[k], ~learned[k])  # the inverted mask selects exactly the complement
 
@@ -91,9 +92,9 @@ def test_inverted_mask_runs_exactly_the_complement_through_the_block(make_model)
     layer.block.update = lambda x, pos: (seen.append(pos.positions.clone()), orig(x, pos))[1]
     x = torch.randint(0, cfg.model.vocab_size, (1, 16))
     with torch.no_grad():
-        learned = model(x, record_decisions=True).decisions["layer_1"]
+        learned = model(x, options=ForwardOptions(record_decisions=True)).decisions["layer_1"]
         seen.clear()
-        model(x, masks={"layer_1": ~learned})
+        model(x, options=ForwardOptions(masks={"layer_1": ~learned}))
     assert sorted(seen[0][0].tolist()) == (~learned[0]).nonzero().flatten().tolist()
 
 
@@ -123,3 +124,27 @@ def test_audit_refuses_methods_without_per_layer_decisions(make_model):
     model, cfg = make_model()
     with pytest.raises(ConfigError, match="routing.method"):
         audit_model(model, cfg, [])
+
+
+def test_load_run_model_reads_a_run_dir_checkpoints_dir_tag_dir_or_file(make_model, tmp_path):
+    import os
+
+    from megaroute.audit.report import find_config, load_run_model
+    from megaroute.config import ConfigError
+    from megaroute.hf.synthetic import write_checkpoint
+
+    model, cfg = make_model("routing.method=mod", "name=r")
+    run = tmp_path / "runs" / "r"
+    tag_dir = write_checkpoint(model, cfg, str(run), step=3)
+    for path in (run, run / "checkpoints", tag_dir, os.path.join(tag_dir, "mp_rank_00_model_states.pt")):
+        loaded, loaded_cfg = load_run_model(str(path))
+        assert loaded_cfg.routing.method == "mod" and not loaded.training
+        got = loaded.state_dict()
+        assert got.keys() == model.state_dict().keys()
+        assert all(torch.equal(got[k], v) for k, v in model.state_dict().items()), path
+        assert find_config(str(path)) == str(run / "config.yaml")
+    with pytest.raises(ConfigError, match="nope: no such file"):
+        load_run_model(str(tmp_path / "nope"))
+    os.remove(os.path.join(tag_dir, "manifest.json"))  # checked as the converter checks it
+    with pytest.raises(ConfigError, match="no manifest.json: the checkpoint was never committed"):
+        load_run_model(str(run))

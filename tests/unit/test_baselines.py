@@ -10,6 +10,7 @@ from megaroute.model.rope import Positions
 from megaroute.model.routing import CapacityBaselineLayer, DenseLayer, RoutingContext, dispatch, freeze_base
 
 from .routing_checks import assert_causal, op_counts, record_updates, rows, tokens_for
+from megaroute.model import ForwardOptions
 
 METHODS = ("random", "stride", "first_k")
 
@@ -73,7 +74,7 @@ def test_random_causal_mode_is_per_token_bernoulli(make_model, monkeypatch):
     model, cfg = make_model(*baseline("random"))
     calls = record_updates(monkeypatch, model)
     torch.manual_seed(0)
-    out = model(tokens_for(cfg, 64, 32), routing_mode="causal")
+    out = model(tokens_for(cfg, 64, 32), options=ForwardOptions(mode="causal"))
     frac = out.routing_stats["layer_1/selected_frac"].item()
     assert frac == pytest.approx(0.25, abs=0.03)
     # ragged: each sequence is padded to the longest selection in the batch (padding rows do no harm)
@@ -88,7 +89,7 @@ def test_random_causal_mode_is_per_token_bernoulli(make_model, monkeypatch):
 def test_stride_positions(make_model, monkeypatch, mode, T, capacity, expected):
     model, cfg = make_model(*baseline("stride", capacity))
     calls = record_updates(monkeypatch, model)
-    out = model(tokens_for(cfg, 2, T), tokens_for(cfg, 2, T), routing_mode=mode)
+    out = model(tokens_for(cfg, 2, T), tokens_for(cfg, 2, T), options=ForwardOptions(mode=mode))
     for i in (1, 3):
         if expected:
             assert selected_positions(calls, i).tolist() == [expected, expected]
@@ -103,7 +104,7 @@ def test_stride_positions(make_model, monkeypatch, mode, T, capacity, expected):
 def test_first_k_positions(make_model, monkeypatch, mode, T, capacity):
     model, cfg = make_model(*baseline("first_k", capacity))
     calls = record_updates(monkeypatch, model)
-    model(tokens_for(cfg, 2, T), routing_mode=mode)
+    model(tokens_for(cfg, 2, T), options=ForwardOptions(mode=mode))
     k = dispatch.capacity_k(T, capacity)
     for i in (1, 3):
         assert selected_positions(calls, i).tolist() == [list(range(k))] * 2
@@ -138,7 +139,8 @@ def test_capacity_one_equals_dense(make_model, method, mode):
     model, _ = make_model(*baseline(method, 1.0), seed=11)
     model.load_state_dict(dense.state_dict())  # strict: a baseline adds no parameters
     tokens = tokens_for(cfg, 3, 13)
-    torch.testing.assert_close(model(tokens, routing_mode=mode).logits, dense(tokens).logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(tokens, options=ForwardOptions(mode=mode)).logits, dense(tokens).logits, rtol=0,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -157,7 +159,7 @@ def test_tlops_counts_are_exact(make_model, monkeypatch, method, mode):
     calls = record_updates(monkeypatch, model)
     T = 16
     torch.manual_seed(5)
-    out = model(tokens_for(cfg, 1, T), routing_mode=mode)  # B = 1: no padding rows
+    out = model(tokens_for(cfg, 1, T), options=ForwardOptions(mode=mode))  # B = 1: no padding rows
     executed = sum(rows(calls, i) for i in range(4))
     for i in (1, 3):
         assert out.routing_stats[f"layer_{i}/selected_frac"].item() == pytest.approx(rows(calls, i) / T)
@@ -172,7 +174,7 @@ def test_no_per_sample_python_loop(make_model, method, mode):
 
     def run(B):
         torch.manual_seed(0)
-        model(tokens_for(cfg, B, 12), routing_mode=mode)
+        model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode))
 
     counts = op_counts(run)
     assert counts[0] == counts[1]
@@ -186,6 +188,6 @@ def test_evaluation_modes_are_causal(make_model, method, mode):
 
     def run(tokens):
         torch.manual_seed(0)  # the random baseline draws the same choices for both inputs
-        return model(tokens, routing_mode=mode).logits
+        return model(tokens, options=ForwardOptions(mode=mode)).logits
 
     assert_causal(run, tokens_for(cfg, 2, 16), cfg.model.vocab_size)

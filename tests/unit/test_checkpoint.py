@@ -344,3 +344,64 @@ def test_rng_state_is_restored_by_load(tmp_path):
     _draws()
     manager(tmp_path).load(FakeEngine(), tag_for(1))
     assert _draws() == expected
+
+
+# ---------------------------------------------------------------- resolving a checkpoint path
+
+
+def test_resolve_checkpoint_from_a_run_dir_checkpoints_dir_tag_dir_or_file(tmp_path):
+    run = tmp_path / "runs" / "r"
+    root = run / "checkpoints"
+    m = manager(root)
+    save(m, 4)
+    save(m, 8)
+    (run / "config.yaml").write_text("name: r\n")
+    for path in (run, root, root / "step_00000008"):
+        found = ckpt.resolve_checkpoint(str(path))
+        assert (found.root, found.tag, found.model_file) == (str(root), "step_00000008", None), path
+        assert found.tag_dir == str(root / "step_00000008") and found.config == str(run / "config.yaml")
+        assert found.model_states == str(root / "step_00000008" / MODEL)
+    file = root / "step_00000004" / MODEL
+    found = ckpt.resolve_checkpoint(str(file))
+    assert (found.root, found.tag, found.model_states, found.config) == (str(root), "step_00000004", str(file),
+                                                                         str(run / "config.yaml"))
+    for path in (run, root):  # `tag` picks one instead of `latest`
+        assert ckpt.resolve_checkpoint(str(path), tag="step_00000004").tag_dir == str(root / "step_00000004")
+    # checkpoint.resume names a tag by its last path component, a path or not
+    assert ckpt.resume_tag("step_00000004") == ckpt.resume_tag(f"{root}/step_00000004/") == "step_00000004"
+
+
+def test_resolve_checkpoint_errors_name_the_path_and_what_is_there(tmp_path):
+    root = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError, match=r"nope: no such file or directory"):
+        ckpt.resolve_checkpoint(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointError, match=rf"no checkpoint 'step_00000004' in {root} \(that directory does not"):
+        ckpt.resolve_checkpoint(str(root), tag="step_00000004")
+    root.mkdir()
+    with pytest.raises(CheckpointError, match=r"no checkpoint 'step_00000004' in .* \(it holds no checkpoints\)"):
+        ckpt.resolve_checkpoint(str(root), tag="step_00000004")
+    with pytest.raises(CheckpointError, match=r"is not a megaroute checkpoint: no DeepSpeed model files, no `latest`"):
+        ckpt.resolve_checkpoint(str(root))
+    save(manager(root), 4)
+    with pytest.raises(CheckpointError, match=r"no checkpoint 'step_00000099' in .* \(checkpoints there: step_0+4\)"):
+        ckpt.resolve_checkpoint(str(tmp_path), tag="step_00000099")  # a run dir: its checkpoints/ listed
+    (root / LATEST).write_text("step_00000012")
+    with pytest.raises(CheckpointError, match=r"latest names tag 'step_00000012', which does not exist"):
+        ckpt.resolve_checkpoint(str(root))
+
+
+def test_init_from_file_accepts_what_resolve_takes_and_names_the_key(tmp_path):
+    from megaroute.config import ConfigError
+
+    root = tmp_path / "run" / "checkpoints"
+    save(manager(root), 4)
+    tag_file = str(root / "step_00000004" / MODEL)
+    for path in (tmp_path / "run", root, root / "step_00000004", tag_file):
+        assert ckpt.init_from_file(str(path)) == tag_file
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match="no such file") as e:
+        ckpt.init_from_file(str(missing))
+    assert e.value.path == "checkpoint.init_from" and str(missing) in str(e.value)
+    os.rename(tag_file, root / "step_00000004" / "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO-3's name
+    with pytest.raises(ConfigError, match=r"mp_rank_00_model_states.pt does not exist"):
+        ckpt.init_from_file(str(tmp_path / "run"))

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megaroute.model import ForwardOptions
 from megaroute.model.routing import DepthGateLayer, freeze_base, is_controller_param
 from megaroute.model.routing.depth_gate import pairwise_rank_loss
 
@@ -186,8 +187,8 @@ def test_off_policy_label_equals_brute_force_recomputation(make_model, monkeypat
         for layer in range(n):
             # Earlier blocks decide as in training; this block all full / all cheap; later all full.
             later = {f"layer_{j}": "full" for j in range(layer + 1, n)}
-            full = per_token_loss(model(tokens, force={f"layer_{layer}": "full", **later}).logits, targets)
-            cheap = per_token_loss(model(tokens, force={f"layer_{layer}": "cheap", **later}).logits, targets)
+            full, cheap = (per_token_loss(model(tokens, options=ForwardOptions(force={f"layer_{layer}": path, **later}))
+                                          .logits, targets) for path in ("full", "cheap"))
             torch.testing.assert_close(labels[layer], cheap - full, atol=2e-5, rtol=1e-4)
 
 
@@ -206,8 +207,8 @@ def test_on_policy_label_follows_later_gates_and_differs_from_off_policy(make_mo
     # And the on-policy label is the brute-force loss with later gates deciding for themselves.
     model.eval()
     with torch.no_grad():
-        full = per_token_loss(model(tokens, force={"layer_2": "full"}).logits, tokens)
-        cheap = per_token_loss(model(tokens, force={"layer_2": "cheap"}).logits, tokens)
+        full = per_token_loss(model(tokens, options=ForwardOptions(force={"layer_2": "full"})).logits, tokens)
+        cheap = per_token_loss(model(tokens, options=ForwardOptions(force={"layer_2": "cheap"})).logits, tokens)
     torch.testing.assert_close(labels["on_policy"][2], cheap - full, atol=2e-5, rtol=1e-4)
 
 
@@ -243,9 +244,9 @@ def test_causal_mode_is_causal_and_uses_the_learned_threshold(make_model, gate):
     other = tokens.clone()
     other[:, t + 1:] = tokens_for(cfg, 2, 20, seed=7)[:, t + 1:]
     with torch.no_grad():
-        a = model(tokens, routing_mode="causal")
-        b = model(other, routing_mode="causal")
-        topk = model(other, routing_mode="topk")
+        a = model(tokens, options=ForwardOptions(mode="causal"))
+        b = model(other, options=ForwardOptions(mode="causal"))
+        topk = model(other, options=ForwardOptions(mode="topk"))
     torch.testing.assert_close(a.logits[:, : t + 1], b.logits[:, : t + 1], atol=1e-5, rtol=0)
     assert not torch.allclose(a.logits[:, t + 1:], b.logits[:, t + 1:])
     # Top-k is sequence-wide (not causal); causal decisions are per token against the threshold.

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megaroute.model import ForwardOptions
 from megaroute.model.rope import Positions
 from megaroute.model.routing import EarlyExitLayer, RoutingContext, freeze_base
 
@@ -101,7 +102,7 @@ def test_exited_tokens_are_frozen_and_skip_later_blocks(make_model, monkeypatch,
     calls = record_updates(monkeypatch, model)
     outputs = capture_outputs(model)
     tokens = tokens_for(cfg, 1, T)
-    out = model(tokens, routing_mode=mode)
+    out = model(tokens, options=ForwardOptions(mode=mode))
 
     active = torch.ones(T, dtype=torch.bool)
     active[[2, 5, 7]] = False
@@ -131,11 +132,11 @@ def test_ragged_exits_batch_equals_per_sample(make_model, monkeypatch):
     exits[2] = True  # sequence 0: nobody exits; 1: some; 2: everyone
     fix_exits(monkeypatch, model, 1, exits)
     tokens = tokens_for(cfg, B, T)
-    batched = model(tokens, routing_mode="causal")
+    batched = model(tokens, options=ForwardOptions(mode="causal"))
     assert batched.routing_stats["layer_1/exit_frac"].item() == pytest.approx(14 / 30)
     for b in range(B):
         fix_exits(monkeypatch, model, 1, exits[b: b + 1])
-        single = model(tokens[b: b + 1], routing_mode="causal").logits
+        single = model(tokens[b: b + 1], options=ForwardOptions(mode="causal")).logits
         torch.testing.assert_close(batched.logits[b: b + 1], single, rtol=1e-5, atol=1e-5)
 
 
@@ -144,14 +145,14 @@ def test_evaluation_modes_are_causal(make_model, mode):
     model, cfg = make_model(*EVERY, "routing.early_exit.threshold=0.5")
     spread_exits(model)
     tokens = tokens_for(cfg, 2, 16)
-    stats = model(tokens, routing_mode=mode).routing_stats
+    stats = model(tokens, options=ForwardOptions(mode=mode)).routing_stats
     assert 0 < stats["layer_0/exit_frac"].item() < 1 and stats["tlops_frac"].item() < 1
-    assert_causal(lambda t: model(t, routing_mode=mode).logits, tokens, cfg.model.vocab_size)
+    assert_causal(lambda t: model(t, options=ForwardOptions(mode=mode)).logits, tokens, cfg.model.vocab_size)
 
 
 def test_no_per_sample_python_loop(make_model):
     model, cfg = make_model(*EXIT)
-    counts = op_counts(lambda B: model(tokens_for(cfg, B, 12), routing_mode="causal"))
+    counts = op_counts(lambda B: model(tokens_for(cfg, B, 12), options=ForwardOptions(mode="causal")))
     assert counts[0] == counts[1]
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megaroute.model import ForwardOptions
 from megaroute.model.rope import Positions
 from megaroute.model.routing import DenseLayer, HaltingLayer, RoutingContext, freeze_base
 
@@ -110,7 +111,7 @@ def test_depth_penalty(make_model, penalty):
     # the penalty alone pushes every gate's p down (d loss / d bias > 0)
     grads = torch.autograd.grad(sum(out.aux_losses.values()), [layer.halt.bias for layer in halting_layers(model)])
     assert all(g > 0 for g in grads)
-    assert model(tokens, tokens, routing_mode="hard").aux_losses == {}  # inference: no penalty
+    assert model(tokens, tokens, options=ForwardOptions(mode="hard")).aux_losses == {}  # inference: no penalty
 
 
 # ----------------------------------------------------------------------------- hard mode
@@ -120,7 +121,7 @@ def test_hard_tau_zero_equals_soft_with_p_one(make_model, monkeypatch):
     model, cfg = make_model(*HALT, "routing.halting.tau=0.0")
     spread_gates(model)
     tokens = tokens_for(cfg, 3, 13)
-    hard = model(tokens, routing_mode="hard")
+    hard = model(tokens, options=ForwardOptions(mode="hard"))
     assert hard.routing_stats["tlops_frac"].item() == 1.0
     soft_real = model(tokens).logits
     assert (soft_real - hard.logits).abs().max() > 1e-4  # p < 1 really scales the soft update
@@ -151,7 +152,7 @@ def test_hard_mode_runs_only_tokens_with_p_at_least_tau(make_model):
 def test_hard_mode_with_every_token_skipping(make_model):
     model, cfg = make_model(*HALT, "routing.halting.tau=1.0")  # sigmoid < 1: nobody runs a gated block
     tokens = tokens_for(cfg, 2, 9)
-    out = model(tokens, tokens, routing_mode="hard")
+    out = model(tokens, tokens, options=ForwardOptions(mode="hard"))
     assert out.routing_stats["layer_1/exec_frac"].item() == 0.0
     assert out.routing_stats["tlops_frac"].item() == pytest.approx(0.5)
     assert torch.isfinite(out.loss)
@@ -164,7 +165,8 @@ def test_tlops_counts_are_exact(make_model, monkeypatch, mode):
     calls = record_updates(monkeypatch, model)
     p = capture_p(model)
     T = 16
-    out = model(tokens_for(cfg, 1, T), routing_mode=mode)  # B = 1: no padding rows in the ragged dispatch
+    out = model(tokens_for(cfg, 1, T),
+                options=ForwardOptions(mode=mode))  # B = 1: no padding rows in the ragged dispatch
     n_layers = cfg.model.n_layers
     executed = 0
     for i in range(n_layers):
@@ -186,12 +188,12 @@ def test_hard_mode_batch_equals_per_sample(make_model):
     model, cfg = make_model(*HALT)
     spread_gates(model)
     tokens = tokens_for(cfg, 4, 11)
-    batched = model(tokens, routing_mode="hard").logits
-    single = torch.cat([model(tokens[b: b + 1], routing_mode="hard").logits for b in range(4)])
+    batched = model(tokens, options=ForwardOptions(mode="hard")).logits
+    single = torch.cat([model(tokens[b: b + 1], options=ForwardOptions(mode="hard")).logits for b in range(4)])
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
     # no per-sample Python loop: torch calls do not grow with B (tau = 0: every layer dispatches)
     model, cfg = make_model(*HALT, "routing.halting.tau=0.0")
-    counts = op_counts(lambda B: model(tokens_for(cfg, B, 12), routing_mode="hard"))
+    counts = op_counts(lambda B: model(tokens_for(cfg, B, 12), options=ForwardOptions(mode="hard")))
     assert counts[0] == counts[1]
 
 
@@ -200,6 +202,6 @@ def test_evaluation_modes_are_causal(make_model, mode):
     model, cfg = make_model(*HALT)
     spread_gates(model)
     tokens = tokens_for(cfg, 2, 16)
-    stats = model(tokens, routing_mode=mode).routing_stats
+    stats = model(tokens, options=ForwardOptions(mode=mode)).routing_stats
     assert all(0 < stats[f"layer_{i}/exec_frac"].item() < 1 for i in (1, 3))
-    assert_causal(lambda t: model(t, routing_mode=mode).logits, tokens, cfg.model.vocab_size)
+    assert_causal(lambda t: model(t, options=ForwardOptions(mode=mode)).logits, tokens, cfg.model.vocab_size)

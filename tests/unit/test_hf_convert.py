@@ -18,6 +18,7 @@ from megaroute.data.tokenizers import CharTokenizer, train_sentencepiece
 from megaroute.hf.convert import convert
 from megaroute.hf.reader import ConversionError
 from megaroute.hf.synthetic import write_checkpoint
+from megaroute.model import ForwardOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXT = open(os.path.join(REPO, "data/tinyshakespeare.txt")).read()[:20000]
@@ -69,7 +70,7 @@ def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char
     hf = _load(out)
     x = torch.randint(0, 60, (2, 40))
     torch.manual_seed(1)  # the random baseline draws its causal choices
-    ours = model(x, routing_mode="causal").logits
+    ours = model(x, options=ForwardOptions(mode="causal")).logits
     torch.manual_seed(1)
     theirs = hf(x).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
@@ -81,8 +82,8 @@ def test_topk_mode_is_selectable(make_run, tmp_path, char_tok):
     run, model, _ = make_run("routing.method=mod")
     hf = _load(_convert(run, tmp_path / "hf", char_tok, routing_mode="topk"))
     x = torch.randint(0, 60, (1, 32))
-    torch.testing.assert_close(hf(x).logits, model(x, routing_mode="topk").logits, atol=1e-4, rtol=0)
-    assert not torch.allclose(hf(x).logits, model(x, routing_mode="causal").logits, atol=1e-4)
+    torch.testing.assert_close(hf(x).logits, model(x, options=ForwardOptions(mode="topk")).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["mod", "depth_gate"])
@@ -175,7 +176,8 @@ def test_sharded_safetensors(make_run, tmp_path, char_tok):
     assert len(set(index["weight_map"].values())) > 1 and "model.safetensors" not in os.listdir(out)
     x = torch.randint(0, 60, (1, 16))
     with torch.no_grad():
-        torch.testing.assert_close(_load(out)(x).logits, model(x, routing_mode="causal").logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(_load(out)(x).logits, model(x, options=ForwardOptions(mode="causal")).logits,
+                                   atol=1e-4, rtol=0)
 
 
 def test_refuses_to_overwrite_unless_forced(make_run, tmp_path, char_tok):
@@ -192,7 +194,7 @@ def test_refuses_to_overwrite_unless_forced(make_run, tmp_path, char_tok):
 
 def test_clear_errors(make_run, tmp_path, char_tok):
     run, _, _ = make_run("model.vocab_size=96", "data.tokenizer.vocab_size=96")  # divisible by 2, so the config below is a valid TP=2 one
-    with pytest.raises(ConversionError, match=r"unknown checkpoint tag 'step_00000099'.*available: step_00000003"):
+    with pytest.raises(ConversionError, match=r"no checkpoint 'step_00000099' in .*\(checkpoints there: step_00000003\)"):
         _convert(run, tmp_path / "a", char_tok, tag="step_00000099")
     stranger = tmp_path / "stranger"
     stranger.mkdir()

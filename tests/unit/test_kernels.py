@@ -14,6 +14,7 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
+from megaroute.model import ForwardOptions
 
 triton = pytest.importorskip("triton")
 
@@ -235,7 +236,8 @@ def _train(make_model, overrides, steps=3):
         opt.step()
         model.eval()
         with torch.no_grad():  # causal / single-path dispatch paths
-            evals = [model(tokens, tokens, routing_mode=mode).lm_loss.item() for mode in ("topk", "causal")]
+            evals = [model(tokens, tokens, options=ForwardOptions(mode=mode)).lm_loss.item()
+                     for mode in ("topk", "causal")]
         losses.append([out.loss.item(), *evals])
     return torch.tensor(losses)
 

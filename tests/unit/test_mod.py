@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from megaroute.kernels import reference
-from megaroute.model import build_model
+from megaroute.model import ForwardOptions, build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions
 from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
@@ -127,7 +127,7 @@ def test_router_gradient_in_causal_mode(make_model):
     model, cfg = make_model(*MOD)
     amplify(model, router=100.0)
     tokens = tokens_for(cfg, 2, 16)
-    model(tokens, tokens, routing_mode="causal").lm_loss.backward()
+    model(tokens, tokens, options=ForwardOptions(mode="causal")).lm_loss.backward()
     assert all(layer.router.weight.grad.abs().max() > 0 for layer in mod_layers(model))
 
 
@@ -250,7 +250,7 @@ def test_batch_and_odd_lengths(make_model, B, T, mode):
     model, cfg = make_model(*MOD, "routing.capacity=0.25")
     amplify(model, router=50.0)
     tokens = tokens_for(cfg, B, T)
-    out = model(tokens, tokens, routing_mode=mode)
+    out = model(tokens, tokens, options=ForwardOptions(mode=mode))
     assert out.logits.shape == (B, T, cfg.model.vocab_size)
     assert torch.isfinite(out.loss)
     out.loss.backward()
@@ -306,7 +306,7 @@ def test_causal_mode_with_no_token_selected(make_layer, make_model, monkeypatch,
                 mod_layer.predictor.net[-1].weight.zero_()
                 mod_layer.predictor.net[-1].bias.fill_(-1.0)
     tokens = tokens_for(cfg, 2, 9)
-    res = model(tokens, tokens, routing_mode="causal")
+    res = model(tokens, tokens, options=ForwardOptions(mode="causal"))
     assert res.routing_stats["layer_1/selected_frac"].item() == 0.0
     assert torch.isfinite(res.loss)
     res.loss.backward()
@@ -343,8 +343,8 @@ def test_batch_equals_per_sample(make_model, mode):
     model, cfg = make_model(*MOD, "routing.capacity=0.3")
     amplify(model, router=50.0, attn=5.0)
     tokens = tokens_for(cfg, 4, 11)
-    batched = model(tokens, routing_mode=mode).logits
-    single = torch.cat([model(tokens[b: b + 1], routing_mode=mode).logits for b in range(4)])
+    batched = model(tokens, options=ForwardOptions(mode=mode)).logits
+    single = torch.cat([model(tokens[b: b + 1], options=ForwardOptions(mode=mode)).logits for b in range(4)])
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
 
 
@@ -365,7 +365,7 @@ def test_no_per_sample_python_loop(make_model, mode):
     counts = []
     for B in (1, 6):
         with _OpCounter() as counter:
-            model(tokens_for(cfg, B, 12), routing_mode=mode)
+            model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode))
         counts.append(counter.calls)
     assert sum(counts[0].values()) > 50
     assert counts[0] == counts[1]
@@ -398,7 +398,7 @@ def test_selected_frac_and_router_stats(make_model):
         assert stats["router_logit_std"].item() == pytest.approx(captured[i].std().item(), abs=1e-6)
         assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
 
-    out = model(tokens, routing_mode="causal")
+    out = model(tokens, options=ForwardOptions(mode="causal"))
     for i in (1, 3):
         frac = out.routing_stats[f"layer_{i}/selected_frac"].item()
         assert frac == pytest.approx((captured[i] > 0).float().mean().item())
@@ -432,13 +432,13 @@ def test_causal_mode_is_causal(make_model, causal_method):
                 layer.predictor.net[-1].weight.mul_(50.0)
     T = 16
     tokens = tokens_for(cfg, 2, T)
-    base = model(tokens, routing_mode="causal")
+    base = model(tokens, options=ForwardOptions(mode="causal"))
     for name in ("layer_1", "layer_3"):
         assert 0 < base.routing_stats[f"{name}/selected_frac"].item() < 1
     for t in (0, 3, 8, 14):
         changed = tokens.clone()
         changed[:, t + 1:] = (changed[:, t + 1:] * 7 + 3) % cfg.model.vocab_size
-        logits = model(changed, routing_mode="causal").logits
+        logits = model(changed, options=ForwardOptions(mode="causal")).logits
         torch.testing.assert_close(logits[:, : t + 1], base.logits[:, : t + 1], rtol=0, atol=1e-5)
         assert (logits[:, t + 1:] - base.logits[:, t + 1:]).abs().max() > 1e-3
 
@@ -446,7 +446,7 @@ def test_causal_mode_is_causal(make_model, causal_method):
 def test_topk_mode_is_not_causal(make_model):
     """Top-k over the sequence sees the future: a later token can push an earlier one out of the
     selection and so change earlier logits. That is why `topk` is for training only and
-    evaluation/sampling must use routing_mode="causal"."""
+    evaluation/sampling must use ForwardOptions(mode="causal")."""
     model, cfg = make_model(*MOD, "routing.capacity=0.125")
     amplify(model, router=50.0, attn=5.0)
     T, t = 16, 7
@@ -482,7 +482,7 @@ def test_aux_loss_method_adds_router_bce(make_model):
     grad = torch.autograd.grad(out.aux_losses["layer_1/router_bce"], mod_layers(model)[0].router.weight)[0]
     assert grad.abs().max() > 0
 
-    assert model(tokens, tokens, routing_mode="causal").aux_losses == {}  # evaluation: no aux loss
+    assert model(tokens, tokens, options=ForwardOptions(mode="causal")).aux_losses == {}  # evaluation: no aux loss
     off, _ = make_model(*MOD, "routing.aux_loss_weight=0")
     res = off(tokens, tokens)
     assert res.aux_losses == {} and res.loss is res.lm_loss

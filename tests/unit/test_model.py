@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.model import Transformer, build_model
+from megaroute.model import ForwardOptions, Transformer, build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
 from megaroute.model.routing import DenseLayer
@@ -48,7 +48,7 @@ def test_rejects_too_long_sequence_and_bad_mode(make_model):
     with pytest.raises(ValueError, match="max_seq_len"):
         model(tokens_for(cfg, 1, cfg.model.max_seq_len + 1))
     with pytest.raises(ValueError, match="routing_mode"):
-        model(tokens_for(cfg, 1, 4), routing_mode="greedy")
+        model(tokens_for(cfg, 1, 4), options=ForwardOptions(mode="greedy"))
     model(tokens_for(cfg, 1, cfg.model.max_seq_len))  # exactly max_seq_len is fine
 
 
@@ -148,11 +148,11 @@ def test_dense_causality(make_model, mode):
     model, cfg = make_model()
     T = 16
     tokens = tokens_for(cfg, 2, T)
-    base = model(tokens, routing_mode=mode).logits
+    base = model(tokens, options=ForwardOptions(mode=mode)).logits
     for t in (0, 5, 11, 14):
         changed = tokens.clone()
         changed[:, t + 1:] = (changed[:, t + 1:] + 1 + torch.arange(T - t - 1)) % cfg.model.vocab_size
-        logits = model(changed, routing_mode=mode).logits
+        logits = model(changed, options=ForwardOptions(mode=mode)).logits
         torch.testing.assert_close(logits[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-6)
         # the change is visible right after t (so the check above is not vacuous)
         assert (logits[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3
@@ -194,14 +194,14 @@ def test_explicit_positions_change_logits(make_model):
     model, cfg = make_model()
     tokens = tokens_for(cfg, 1, 8)
     base = model(tokens).logits
-    same = model(tokens, positions=torch.arange(8).unsqueeze(0)).logits
-    shifted = model(tokens, positions=torch.arange(8).unsqueeze(0) + 5).logits
+    same = model(tokens, options=ForwardOptions(positions=torch.arange(8).unsqueeze(0))).logits
+    shifted = model(tokens, options=ForwardOptions(positions=torch.arange(8).unsqueeze(0) + 5)).logits
     assert torch.equal(base, same)
     # RoPE is relative: a uniform shift leaves attention scores unchanged up to rounding
     shift_err = (shifted - base).abs().max()
     assert shift_err < 1e-5
     # ... but positions that change relative distances do change the logits (small at init)
-    reversed_pos = model(tokens, positions=torch.arange(8).flip(0).unsqueeze(0)).logits
+    reversed_pos = model(tokens, options=ForwardOptions(positions=torch.arange(8).flip(0).unsqueeze(0))).logits
     assert (reversed_pos - base).abs().max() > max(1e-5, 100 * shift_err)
 
 

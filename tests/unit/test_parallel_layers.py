@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaroute.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from megaroute.model import ForwardOptions
 from megaroute.parallel import (ColumnParallelLinear, ParallelLayout, RowParallelLinear, VocabParallelEmbedding,
                                 gather_from_tp, parallel_argmax, scatter_to_tp, shard_dim, shard_full_state_dict,
                                 vocab_parallel_cross_entropy)
@@ -173,8 +174,8 @@ def _model_checks(rank: int, world: int) -> dict:
         with torch.no_grad():
             ref.eval()
             tp.eval()
-            eval_diff = abs(float(ref(tokens, targets, routing_mode=mode).lm_loss)
-                            - float(tp(tokens, targets, routing_mode=mode).lm_loss))
+            eval_diff = abs(float(ref(tokens, targets, options=ForwardOptions(mode=mode)).lm_loss)
+                            - float(tp(tokens, targets, options=ForwardOptions(mode=mode)).lm_loss))
         # A TP model loads a single-process state dict by slicing it (checkpoint.init_from).
         torch.manual_seed(123)
         fresh = build_model(cfg.model, cfg.routing, tp_group=group)

@@ -2,9 +2,11 @@
 
 Read-back goes through `mlflow.tracking.MlflowClient`, the way a user would see the run. One
 SQLite store per module: creating its tables costs seconds, runs in it cost milliseconds.
-The default tracker runs MLflow in a child process (each costs an `import mlflow`, seconds
-here), so the engine's own policies (buffering, backoff, close) are tested in process
-(`in_process=True`) and the process boundary by a few end-to-end tests.
+Every MLflowTracker here runs its real tracking process (each costs an `import mlflow`, seconds
+here). Policies that need a failure injected into the MLflow client itself (a flush that times
+out or hangs, a tiny buffer bound) are tested on `MLflowWriter`, the class that process runs.
+No assertion times a log call: "never blocks" is shown by counting pipe writes, and against a
+tracking process that is stopped (a full pipe), with event waits instead of sleeps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import psutil
 import pytest
 import torch
 
+import megaroute.train.mlflow_writer as mlflow_writer
 import megaroute.train.tracking as tracking
+from megaroute.train.mlflow_writer import MLflowWriter
 from megaroute.train.tracking import MLflowTracker
 
 pytest.importorskip("mlflow")
@@ -34,7 +38,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root}/mlflow.db"
-    tracking._create_sqlite_store(uri)  # what the tracker does for a new store: created aside, then linked
+    mlflow_writer._create_sqlite_store(uri)  # what the tracker does for a new store: created aside, then linked
     assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]
     return uri, root
 
@@ -51,8 +55,23 @@ def closed_uri() -> str:
 def make(uri, root, name, **kw) -> MLflowTracker:
     kw.setdefault("params", {"model.d_model": 64, "train.lr": 1e-3, "checkpoint.init_from": None})
     kw.setdefault("tags", {"variant": "mod", "world_size": 2})
-    kw.setdefault("in_process", True)
     return MLflowTracker(uri, "unit", name, artifact_root=str(root / "artifacts"), **kw)
+
+
+def make_writer(uri, root, name, **kw) -> MLflowWriter:
+    """What the tracking process runs, here in this process (for injecting failures into its client)."""
+    return MLflowWriter(uri, "unit", name, {"model.d_model": 64}, {"variant": "mod"}, str(root / "artifacts"), **kw)
+
+
+def put_metrics(writer: MLflowWriter, values: dict, step: int) -> None:
+    writer.put("metrics", (values, step, int(time.time() * 1000)))
+
+
+def count_sends(tracker: MLflowTracker) -> list:
+    """Records each pickle-and-write of the pending log calls to the tracking process's pipe."""
+    sends, real = [], tracker._send
+    tracker._send = lambda: (sends.append(len(tracker._items)), real())
+    return sends
 
 
 def wait_until(predicate, timeout: float = 60.0) -> None:
@@ -66,18 +85,12 @@ def _rng_states():
     return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
 
 
-def _time_1000_calls(tracker) -> float:
-    """Best of 3 rounds of 1000 calls: the machine is shared, a descheduled round says nothing."""
-    rounds = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for step in range(1000):
-            tracker.log_metrics({"train/loss": 1.0, "train/lr": 1e-3, "perf/mfu": 0.1}, step)
-        rounds.append(time.perf_counter() - t0)
-    return min(rounds)
+def _log_1000_calls(tracker) -> None:
+    for step in range(1000):
+        tracker.log_metrics({"train/loss": 1.0, "train/lr": 1e-3, "perf/mfu": 0.1}, step)
 
 
-# ---------------------------------------------------------------- read back (child process)
+# ---------------------------------------------------------------- read back
 
 
 def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
@@ -88,7 +101,7 @@ def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
     (tok / "tokenizer.json").write_text("{}")
     rng_before = _rng_states()
 
-    tracker = make(uri, root, "readback", in_process=False)
+    tracker = make(uri, root, "readback")
     for step in range(1, 6):
         tracker.log_metrics({"train/loss": 1.0 / step, "perf/mfu": 0.01 * step,
                              "routing/layer_1/selected_frac": torch.tensor(0.125)}, step)  # tensors are fine
@@ -98,10 +111,11 @@ def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
     tracker.log_artifact(str(tmp_path / "config.yaml"))
     tracker.log_artifact(str(tok), "tokenizer")  # a directory
     tracker.log_artifact(str(tmp_path / "missing.txt"))  # skipped with a warning, not fatal
-    wait_until(lambda: tracker.run_id is not None)
+    wait_until(lambda: tracker.run_id is not None)  # the tracking process runs its loop (signal handlers set)
     os.kill(tracker.proc.pid, signal.SIGTERM)  # a scheduler signals the whole job: the child waits for close()
-    time.sleep(0.2)
     assert tracker.proc.poll() is None
+    # Sent after the signal (an unhandled SIGTERM kills at once): this tag arrives only if the child lived on.
+    tracker.set_tags({"after_sigterm": "yes"})
     assert tracker.close() is True
     assert tracker.proc.returncode == 0
     assert _rng_states() == rng_before, "tracking must not consume the training RNGs"
@@ -112,7 +126,7 @@ def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
     assert run.info.status == "FINISHED" and run.info.run_name == "readback"
     assert run.data.params == {"model.d_model": "64", "train.lr": "0.001", "checkpoint.init_from": "None"}
     assert run.data.tags["variant"] == "mod" and run.data.tags["world_size"] == "2"
-    assert run.data.tags["git_commit"] == "abc123"
+    assert run.data.tags["git_commit"] == "abc123" and run.data.tags["after_sigterm"] == "yes"
     history = client.get_metric_history(tracker.run_id, "train/loss")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(s, 1.0 / s) for s in range(1, 6)]
     assert [m.step for m in client.get_metric_history(tracker.run_id, "routing/layer_1/selected_frac")] == [1, 2, 3, 4, 5]
@@ -133,7 +147,7 @@ def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path, m
 
     monkeypatch.setattr(db_utils, "_initialize_tables", interrupted)
     path = tmp_path / "runs" / "mlflow.db"
-    tracking._create_sqlite_store(f"sqlite:///{path}")
+    mlflow_writer._create_sqlite_store(f"sqlite:///{path}")
     assert not path.exists() and list((tmp_path / "runs").iterdir()) == []
 
 
@@ -145,7 +159,7 @@ def test_close_marks_the_run(store, status):
     assert tracker.close(status) is True
     assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == status
     tracker.log_metrics({"train/loss": 2.0}, 2)  # after close: ignored, not queued forever
-    assert tracker._engine._queue.qsize() == 0
+    assert tracker._items == [] and tracker._out == b""
 
 
 def test_training_process_killed_marks_the_run_failed(store, tmp_path):
@@ -174,7 +188,7 @@ def test_training_process_killed_marks_the_run_failed(store, tmp_path):
     assert [m.value for m in MlflowClient(tracking_uri=uri).get_metric_history(run_id, "train/loss")] == [1.0]
 
 
-def test_resume_continues_the_run_even_if_params_changed(store, recwarn):
+def test_resume_continues_the_run_even_if_params_changed(store, capfd):
     uri, root = store
     first = make(uri, root, "resumed")
     first.log_metrics({"train/loss": 3.0}, 1)
@@ -184,7 +198,8 @@ def test_resume_continues_the_run_even_if_params_changed(store, recwarn):
                   params={"model.d_model": 64, "train.lr": 5e-4, "checkpoint.init_from": None, "new.key": 1})
     second.log_metrics({"train/loss": 2.0}, 2)
     assert second.close() is True
-    assert any("params changed" in str(w.message) and "train.lr" in str(w.message) for w in recwarn)
+    err = capfd.readouterr().err  # the tracking process warns on its stderr
+    assert any("params changed" in line and "train.lr" in line for line in err.splitlines()), err
     assert second.run_id == first.run_id
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(first.run_id)
@@ -194,12 +209,12 @@ def test_resume_continues_the_run_even_if_params_changed(store, recwarn):
     assert [m.step for m in client.get_metric_history(first.run_id, "train/loss")] == [1, 2]
 
 
-def test_resume_with_an_unknown_run_id_starts_a_new_run(store, recwarn):
+def test_resume_with_an_unknown_run_id_starts_a_new_run(store, capfd):
     uri, root = store
     tracker = make(uri, root, "orphan", run_id="0" * 32)  # e.g. a checkpoint logged to another store
     tracker.log_metrics({"train/loss": 1.0}, 1)
     assert tracker.close() is True
-    assert any("not found" in str(w.message) for w in recwarn)
+    assert "not found" in capfd.readouterr().err
     assert tracker.run_id != "0" * 32
     assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == "FINISHED"
 
@@ -208,15 +223,14 @@ def test_resume_with_an_unknown_run_id_starts_a_new_run(store, recwarn):
 
 
 def test_unreachable_server_never_blocks_or_raises(closed_uri, tmp_path, capfd):
-    tracker = make(closed_uri, tmp_path, "offline", in_process=False, retry_seconds=0.2)
-    first = _time_1000_calls(tracker)  # while the tracking process starts and makes its first attempt
-    wait_until(lambda: tracker.failures > 0)
+    # No feed is due during the calls below: each one only appends to a list, outage or not.
+    tracker = make(closed_uri, tmp_path, "offline", retry_seconds=0.2, feed_seconds=3600)
+    sends = count_sends(tracker)
+    _log_1000_calls(tracker)  # while the tracking process starts and makes its first attempt
+    wait_until(lambda: tracker.failures > 0)  # the status pipe is read without a send
     assert "Connection refused" in tracker.last_error
-    steady = _time_1000_calls(tracker)  # during the outage: retrying with backoff
-    with capfd.disabled():
-        print(f"\n1000 log_metrics calls with the server down: {first * 1e3:.2f} ms while it starts, "
-              f"{steady * 1e3:.2f} ms while retrying")
-    assert first < 0.05 and steady < 0.05
+    _log_1000_calls(tracker)  # during the outage: retrying with backoff
+    assert sends == [] and len(tracker._items) == 2000  # no pipe write, nothing dropped
     t0 = time.perf_counter()
     assert tracker.close(timeout=10.0) is False
     # Already down before close() and still down: it gives up at once instead of using the 10 s.
@@ -226,51 +240,95 @@ def test_unreachable_server_never_blocks_or_raises(closed_uri, tmp_path, capfd):
     assert "buffering and retrying" in err and "giving up" in err
 
 
+def test_log_calls_never_block_on_a_full_pipe(store):
+    """A tracking process that reads nothing (stopped): the pipe fills up, log calls keep returning,
+    and everything still arrives once it reads again."""
+    uri, root = store
+    tracker = make(uri, root, "stopped", feed_seconds=0)  # every call feeds the pipe
+    wait_until(lambda: tracker.run_id is not None)
+    metrics = {f"routing/layer_{i}/" + "x" * 180: float(i) for i in range(20)}  # ~4 KB a call
+    done, returned = threading.Event(), []
+
+    def calls():
+        for step in range(1, 201):
+            tracker.log_metrics(metrics, step)
+            returned.append(step)
+        done.set()
+
+    os.kill(tracker.proc.pid, signal.SIGSTOP)
+    try:
+        threading.Thread(target=calls, daemon=True).start()
+        assert done.wait(120), f"log_metrics blocked after {len(returned)} calls"
+        assert tracker._out and tracker._items  # the pipe is full: the rest waits for a later send
+        assert tracker._pipe_ok and tracker.dropped_metrics == 0
+    finally:
+        os.kill(tracker.proc.pid, signal.SIGCONT)
+    assert tracker.close() is True
+    history = MlflowClient(tracking_uri=uri).get_metric_history(tracker.run_id, next(iter(metrics)))
+    assert sorted(m.step for m in history) == list(range(1, 201))
+
+
+def test_log_calls_beyond_the_queue_bound_are_dropped_and_counted(closed_uri, tmp_path, monkeypatch):
+    monkeypatch.setattr(tracking, "MAX_QUEUED_ITEMS", 2)  # a tracking process that cannot keep up
+    tracker = make(closed_uri, tmp_path, "bounded-queue", feed_seconds=3600)
+    for step in range(3):
+        tracker.log_metrics({"a": 1.0, "b": 2.0}, step)
+    assert len(tracker._items) == 2 and tracker.dropped_metrics == 2
+    tracker.close(timeout=0.5)
+
+
 def test_tracking_process_death_never_reaches_training(closed_uri, tmp_path):
-    tracker = make(closed_uri, tmp_path, "dead", in_process=False)
+    tracker = make(closed_uri, tmp_path, "dead", feed_seconds=0)  # every call feeds the pipe
     tracker.proc.kill()
     tracker.proc.wait()
-    for step in range(100):  # neither raise nor block; the next send notices the broken pipe
+    sends = count_sends(tracker)
+    for step in range(100):  # neither raise nor block; the first send notices the broken pipe
         tracker.log_metrics({"train/loss": 1.0}, step)
-        time.sleep(0.01)
+    assert sends and not tracker._pipe_ok and not tracker._accepting
     t0 = time.perf_counter()
     assert tracker.close(timeout=5) is False
     assert time.perf_counter() - t0 < 3.0
 
 
-def test_server_that_never_answers_does_not_stall_logging(tmp_path, monkeypatch, recwarn):
-    """A server that accepts connections but never replies, with the engine in this process (the
-    harder case): its thread sits in a request until MLFLOW_HTTP_REQUEST_TIMEOUT; log calls must
-    not notice and close() must keep its deadline."""
+def test_server_that_never_answers_does_not_stall_logging(tmp_path, monkeypatch):
+    """A server that accepts connections but never replies: the tracking process sits in a request
+    until MLFLOW_HTTP_REQUEST_TIMEOUT; log calls must not notice and close() must keep its deadline."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
-        hole.listen(64)  # never accept(): connects succeed, requests hang
-        tracker = make(f"http://127.0.0.1:{hole.getsockname()[1]}", tmp_path, "blackhole")
-        time.sleep(0.5)  # the worker is now blocked in its first request
-        elapsed = _time_1000_calls(tracker)
-        print(f"\n1000 log_metrics calls while the worker hangs in a request: {elapsed * 1e3:.2f} ms")
-        assert elapsed < 0.05
-        t0 = time.perf_counter()
-        assert tracker.close(timeout=0.5) is False
-        assert time.perf_counter() - t0 < 1.5
-        tracker._engine._thread.join(10)  # ends once its request times out
-        assert not tracker._engine._thread.is_alive()
+        hole.listen(64)
+        hole.settimeout(60)
+        tracker = make(f"http://127.0.0.1:{hole.getsockname()[1]}", tmp_path, "blackhole", feed_seconds=0)
+        conn, _ = hole.accept()  # the tracking process is in its first request now; it gets no answer
+        with conn:
+            sends = count_sends(tracker)
+            _log_1000_calls(tracker)
+            assert len(sends) == 1000 and tracker._pipe_ok and tracker.dropped_metrics == 0
+            t0 = time.perf_counter()
+            assert tracker.close(timeout=0.5) is False
+            assert time.perf_counter() - t0 < 1.5
+            # The stuck request keeps nothing running: the tracking process left it behind and exited.
+            assert tracker.proc.returncode == 0
 
 
-def test_close_gives_up_at_once_on_a_server_never_reached(closed_uri, tmp_path, recwarn):
+def test_close_gives_up_at_once_on_a_server_never_reached(closed_uri, tmp_path, capfd):
     tracker = make(closed_uri, tmp_path, "never")
     tracker.log_metrics({"train/loss": 1.0}, 1)
     t0 = time.perf_counter()
-    assert tracker.close(timeout=20.0) is False  # a short job that ends before the first attempt failed
-    assert time.perf_counter() - t0 < 5.0
-    assert any("giving up" in str(w.message) for w in recwarn)
+    assert tracker.close(timeout=60.0) is False  # a short job that ends before the first attempt failed
+    # The give-up path (the deadline path says nothing), well before the timeout even with the
+    # tracking process still importing mlflow when close() came.
+    assert "giving up" in capfd.readouterr().err
+    assert time.perf_counter() - t0 < 30.0
+
+
+# ---------------------------------------------------------------- the writer's policies (in this process)
 
 
 def test_slow_server_is_retried_until_the_close_deadline(store, monkeypatch, recwarn):
     """Timeouts are not 'nobody listens': close() keeps retrying (briefly) instead of giving up."""
     uri, root = store
-    real_flush, calls = tracking._Engine._flush, []
+    real_flush, calls = MLflowWriter._flush, []
 
     def flaky_flush(self, client):
         calls.append(time.monotonic())
@@ -278,40 +336,39 @@ def test_slow_server_is_retried_until_the_close_deadline(store, monkeypatch, rec
             raise TimeoutError("Read timed out. (read timeout=20)")
         return real_flush(self, client)
 
-    monkeypatch.setattr(tracking._Engine, "_flush", flaky_flush)
-    tracker = make(uri, root, "slow", retry_seconds=0.2)
-    tracker.log_metrics({"train/loss": 1.0}, 1)
-    wait_until(lambda: tracker.failures >= 1)
-    assert tracker.close(timeout=30) is True
-    assert len(calls) >= 4 and tracker.failures == 0
-    assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == "FINISHED"
+    monkeypatch.setattr(MLflowWriter, "_flush", flaky_flush)
+    writer = make_writer(uri, root, "slow", retry_seconds=0.2)
+    put_metrics(writer, {"train/loss": 1.0}, 1)
+    wait_until(lambda: writer.failures >= 1)
+    assert writer.close(timeout=30) is True
+    assert len(calls) >= 4 and writer.failures == 0
+    assert MlflowClient(tracking_uri=uri).get_run(writer.run_id).info.status == "FINISHED"
 
 
-def test_close_times_out_without_hanging(closed_uri, tmp_path, monkeypatch):
-    # A worker stuck in a request (here: its first attempt takes 1.5 s) is abandoned at the deadline.
-    monkeypatch.setattr(tracking._Engine, "_flush", lambda self, client: time.sleep(1.5))
-    tracker = make(closed_uri, tmp_path, "stuck")
+def test_close_times_out_without_hanging(closed_uri, tmp_path, monkeypatch, recwarn):
+    # A worker stuck in a request (here: its first attempt waits for `release`) is abandoned at the deadline.
+    release = threading.Event()
+    monkeypatch.setattr(MLflowWriter, "_flush", lambda self, client: release.wait(60))
+    writer = make_writer(closed_uri, tmp_path, "stuck")
     t0 = time.perf_counter()
-    assert tracker.close(timeout=0.3) is False
+    assert writer.close(timeout=0.3) is False
     assert time.perf_counter() - t0 < 1.0
-    tracker._engine._thread.join(10)  # it notices the deadline once the stuck call returns
-    assert not tracker._engine._thread.is_alive()
+    assert writer._thread.is_alive()  # close() did not wait for the stuck call
+    release.set()
+    writer._thread.join(10)  # it notices the deadline once the stuck call returns
+    assert not writer._thread.is_alive()
 
 
 def test_buffer_is_bounded_and_drops_oldest(closed_uri, tmp_path, monkeypatch, recwarn):
-    monkeypatch.setattr(tracking, "MAX_BUFFERED_METRICS", 100)
-    tracker = make(closed_uri, tmp_path, "bounded", retry_seconds=60, flush_seconds=0.1)
-    engine = tracker._engine
+    monkeypatch.setattr(mlflow_writer, "MAX_BUFFERED_METRICS", 100)
+    writer = make_writer(closed_uri, tmp_path, "bounded", retry_seconds=60, flush_seconds=0.1)
     for step in range(1, 61):
-        tracker.log_metrics({"a": step, "b": step, "c": step}, step)  # 180 points
-    wait_until(lambda: tracker.dropped_metrics >= 80 and engine._queue.qsize() == 0, timeout=30)
-    assert tracker.dropped_metrics == 80
-    assert len(engine._metrics) == 100
-    assert min(step for *_, step in engine._metrics) > 60 - 100 // 3 - 1  # the newest points are kept
-    monkeypatch.setattr(tracking, "MAX_QUEUED_ITEMS", 0)  # a worker that cannot keep up: drop at enqueue
-    tracker.log_metrics({"a": 1.0, "b": 2.0}, 61)
-    assert tracker.dropped_metrics == 82
-    tracker.close(timeout=0.5)
+        put_metrics(writer, {"a": step, "b": step, "c": step}, step)  # 180 points
+    wait_until(lambda: writer.dropped_metrics >= 80 and writer._queue.qsize() == 0, timeout=30)
+    assert writer.dropped_metrics == 80
+    assert len(writer._metrics) == 100
+    assert min(step for *_, step in writer._metrics) > 60 - 100 // 3 - 1  # the newest points are kept
+    writer.close(timeout=0.5)
 
 
 # ---------------------------------------------------------------- cost
@@ -363,14 +420,17 @@ def test_logging_cost_is_under_5_percent_of_a_step(store):
     metrics.update({"train/loss": 2.0, "train/lr": 1e-3, "perf/tokens_per_s": 1e4, "perf/mfu": 0.1, "train/grad_norm": 1})
     steps, step_s = 100, 0.020
     baseline, _ = _simulated_steps(steps, step_s)  # the same compute without tracking
-    tracker = make(uri, root, "cost", in_process=False, flush_seconds=1.0)
+    tracker = make(uri, root, "cost", flush_seconds=1.0)
     wait_until(lambda: tracker.run_id is not None)  # the one-time start (import mlflow, create the run)
     assert [t for t in threading.enumerate() if t.name.startswith("mlflow")] == []  # no thread in this process
     child = psutil.Process(tracker.proc.pid)
     child0 = sum(child.cpu_times()[:2])
+    sends = count_sends(tracker)
     step_times, [(log_wall, log_cpu), (ctl_wall, ctl_cpu)] = _simulated_steps(
         steps, step_s, (tracker, _ListLogger()), metrics)
     child_cpu = sum(child.cpu_times()[:2]) - child0
+    # Batched: one pickle-and-write per feed interval (0.5 s), not one per call.
+    assert 0 < len(sends) <= sum(step_times) / tracker.feed_seconds + 2
     assert tracker.close() is True
     mean_step = sum(step_times) / steps
     cpu_share = (sum(log_cpu) - sum(ctl_cpu)) / steps / mean_step

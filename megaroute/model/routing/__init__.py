@@ -1,8 +1,10 @@
 """Routers and routed layers. `build_layer` picks the layer type for block i from the config.
 
 Every layer has the signature `layer(x, pos, ctx, name) -> x` and, when routed, is built as
-`Layer(block, model_cfg, routing_cfg)`. Controller parameters (what controller-only training
-trains) live in submodules whose names are listed in CONTROLLER_MODULES.
+`Layer(block, model_cfg, routing_cfg)`. Each routing method is described by a `MethodSpec`
+(spec.py) next to its layer; METHODS, the registry below, maps `routing.method` to it.
+Controller parameters (what controller-only training trains) live in the submodules each spec
+names in `controller`.
 """
 
 from __future__ import annotations
@@ -11,54 +13,42 @@ from torch import nn
 
 from ...config import ModelConfig, RoutingConfig
 from ..block import TransformerBlock
-from ..rope import Positions
-from .baselines import CapacityBaselineLayer
+from .baselines import FIRST_K, RANDOM, STRIDE, CapacityBaselineLayer
 from .context import RoutingContext
-from .depth_gate import DepthGateLayer, average_causal_thresholds
-from .early_exit import EarlyExitLayer
-from .halting import HaltingLayer
-from .mod import MoDLayer
+from .dense import DENSE, DenseLayer
+from .depth_gate import DEPTH_GATE, DepthGateLayer, average_causal_thresholds
+from .early_exit import EARLY_EXIT, EarlyExitLayer
+from .halting import HALTING, HaltingLayer
+from .mod import MOD, MoDLayer
+from .spec import (METHODS, AuditModes, LayerFlops, MethodSpec, block_flops, capacity_tokens, controller_modules,
+                   method_spec, register_method, unregister_method)
 
-# method -> routed layer class (dense blocks stay DenseLayer).
-LAYER_TYPES: dict[str, type[nn.Module]] = {
-    "mod": MoDLayer,
-    "depth_gate": DepthGateLayer,
-    "halting": HaltingLayer,
-    "random": CapacityBaselineLayer,
-    "stride": CapacityBaselineLayer,
-    "first_k": CapacityBaselineLayer,
-    "early_exit": EarlyExitLayer,
-}
-
-# Submodule names that make up a routing controller; everything else is the base model.
-CONTROLLER_MODULES = ("router", "predictor", "scorer", "cheap", "halt", "exit_head")
-
-
-class DenseLayer(nn.Module):
-    def __init__(self, block: TransformerBlock):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x, pos: Positions, ctx: RoutingContext, name: str):
-        return self.block(x, pos)
+# The registry: one line per routing method, in the order error messages list them.
+register_method(DENSE)
+register_method(MOD)
+register_method(RANDOM)
+register_method(STRIDE)
+register_method(FIRST_K)
+register_method(DEPTH_GATE)
+register_method(HALTING)
+register_method(EARLY_EXIT)
 
 
 def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig, tp_group=None) -> nn.Module:
     """tp_group shards the block's attention heads and FFN; routers, gates and predictors stay
     replicated (they read the replicated hidden state, so every TP rank decides identically)."""
+    spec = method_spec(routing_cfg.method)
     block = TransformerBlock(model_cfg, tp_group)
-    if routing_cfg.method == "early_exit":
-        # Every block must skip exited tokens; the routed ones also own an exit head.
-        return EarlyExitLayer(block, model_cfg, routing_cfg, head=routing_cfg.is_routed(index))
-    if not routing_cfg.is_routed(index):
-        return DenseLayer(block)
-    if routing_cfg.method not in LAYER_TYPES:
-        raise ValueError(f"routing.method {routing_cfg.method!r} has no layer implementation")
-    return LAYER_TYPES[routing_cfg.method](block, model_cfg, routing_cfg)
+    if routing_cfg.is_routed(index):
+        return spec.layer(block, model_cfg, routing_cfg)
+    if spec.unrouted_layer is not None:
+        return spec.unrouted_layer(block, model_cfg, routing_cfg)
+    return DenseLayer(block)
 
 
 def is_controller_param(name: str) -> bool:
-    return any(part in CONTROLLER_MODULES for part in name.split("."))
+    controller = controller_modules()
+    return any(part in controller for part in name.split("."))
 
 
 def freeze_base(model: nn.Module) -> list[str]:
@@ -76,6 +66,7 @@ def freeze_base(model: nn.Module) -> list[str]:
     return trainable
 
 
-__all__ = ["CONTROLLER_MODULES", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer",
-           "HaltingLayer", "LAYER_TYPES", "MoDLayer", "RoutingContext", "average_causal_thresholds", "build_layer",
-           "freeze_base", "is_controller_param"]
+__all__ = ["AuditModes", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer", "HaltingLayer",
+           "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "RoutingContext", "average_causal_thresholds",
+           "block_flops", "build_layer", "capacity_tokens", "controller_modules", "freeze_base",
+           "is_controller_param", "method_spec", "register_method", "unregister_method"]

@@ -20,18 +20,30 @@ from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
 from .execute import update_selected
+from .spec import MethodSpec, capacity_tokens
+
+BASELINES = ("random", "stride", "first_k")
+
+
+def stride_of(capacity: float) -> int:
+    return max(1, round(1 / capacity))
+
+
+def stride_tokens(routing: RoutingConfig, T: int) -> int:
+    """Positions t < T with t % s == s - 1: T // s of them, not capacity_k (85, not 77, at c = 0.3, T = 256)."""
+    return T // stride_of(routing.capacity)
 
 
 class CapacityBaselineLayer(nn.Module):
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__()
-        if cfg.method not in ("random", "stride", "first_k"):
+        if cfg.method not in BASELINES:
             raise ValueError(f"not a capacity baseline: routing.method={cfg.method!r}")
         self.block = block
         self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.method = cfg.method
         self.capacity = cfg.capacity
-        self.stride = max(1, round(1 / cfg.capacity))
+        self.stride = stride_of(cfg.capacity)
 
     @property
     def cacheable(self) -> bool:
@@ -58,3 +70,9 @@ class CapacityBaselineLayer(nn.Module):
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
         return update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)
+
+
+# MoD's cost without a router: the block on the selected tokens (the spec's default cost model).
+RANDOM = MethodSpec(name="random", layer=CapacityBaselineLayer, tokens=capacity_tokens)
+STRIDE = MethodSpec(name="stride", layer=CapacityBaselineLayer, tokens=stride_tokens)
+FIRST_K = MethodSpec(name="first_k", layer=CapacityBaselineLayer, tokens=capacity_tokens)

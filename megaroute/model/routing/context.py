@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from .dispatch import mask_indices
+from .spec import method_spec
 
 MODES = ("topk", "causal", "hard")
 
@@ -91,12 +92,5 @@ class RoutingContext:
 
 
 def eval_modes(method: str) -> dict[str, str]:
-    """Validation metric suffix -> routing mode for a routing method ("val/loss" + suffix).
-
-    Halting gates are causal in soft mode already; their second mode is the hard skip at tau.
-    """
-    if method == "none":
-        return {"": "topk"}
-    if method == "halting":
-        return {"": "topk", "_hard": "hard"}
-    return {"": "topk", "_causal": "causal"}
+    """Validation metric suffix -> routing mode for a routing method ("val/loss" + suffix), from its spec."""
+    return dict(method_spec(method).eval_modes)

@@ -37,6 +37,7 @@ from ..mlp import SwiGLU
 from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
+from .spec import LayerFlops, MethodSpec, block_flops
 
 
 class LowRankFFN(nn.Module):
@@ -222,3 +223,64 @@ def average_causal_thresholds(model: nn.Module, group=None) -> None:
     values /= collectives.world_size(group)
     for layer, v in zip(layers, values):
         layer.causal_threshold.copy_(v)
+
+
+def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
+    """Attention and the scorer on all T tokens; at inference the full FFN on k = capacity_k(T, budget)
+    tokens and the cheap one on T - k. Training runs both paths for every token (train_extra); the
+    JEPA target head on the two outcomes is no-grad. controller_inputs: the scorer's and cheap FFN's
+    first matmuls, which read the block's hidden state."""
+    d, g = model.d_model, routing.depth_gate
+    k = dispatch.capacity_k(T, g.budget)
+    attn = block_flops(T, d, model.ffn_hidden)
+    full_per_token = attn["mlp"] // T
+    cheap_per_token = (2 * d * g.cheap_hidden * 2 if g.cheap == "low_rank" else 2 * d * 2 * g.cheap_hidden
+                       + 2 * g.cheap_hidden * d)
+    h, z = g.gate_hidden, g.latent_dim
+    if g.gate == "mlp":
+        gate = T * (2 * d * h + 2 * h)
+    else:  # context projection, two action-conditional forecasts, readout of their difference
+        gate = T * (2 * d * h + 2 * 2 * h * z + 2 * z)
+    forward = {"attn_proj": attn["attn_proj"], "attn_scores": attn["attn_scores"], "mlp": k * full_per_token,
+               "cheap": (T - k) * cheap_per_token, "gate": gate}
+    train_extra = {"mlp": (T - k) * full_per_token, "cheap": k * cheap_per_token}
+    no_grad = {"target_head": 2 * T * 2 * d * z} if g.gate == "jepa" else {}
+    inputs = {"cheap": T * 2 * d * g.cheap_hidden * (1 if g.cheap == "low_rank" else 2), "gate": T * 2 * d * h}
+    return LayerFlops(forward, train_extra, no_grad, inputs)
+
+
+def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forward: list[int]) -> dict[str, int]:
+    """Forward FLOPs of the oracle-label passes for one sequence (two suffix passes per gated block)."""
+    g = routing.depth_gate
+    if not g.needs_oracle:
+        return {}
+    dense_block = sum(block_flops(T, model.d_model, model.ffn_hidden).values())
+    head = 2 * T * model.d_model * model.vocab_size
+    gated = [i for i in range(model.n_layers) if routing.is_routed(i)]
+    total = 0
+    for start in gated:
+        rest = 0
+        for j in range(start + 1, model.n_layers):
+            forced_full = g.oracle == "off_policy" and routing.is_routed(j)
+            rest += dense_block if forced_full else layer_forward[j]
+        total += 2 * (rest + head)
+    if g.oracle_layers:  # each block labelled with probability oracle_layers / gated blocks
+        total = total * min(len(gated), g.oracle_layers) // len(gated)
+    return {"oracle": total}
+
+
+def _activations(model: ModelConfig, routing: RoutingConfig, T: int, block) -> float:
+    g = routing.depth_gate  # both paths for every token: + cheap hidden, cheap output, scorer
+    return block(T) + T * (2 * g.cheap_hidden + model.d_model + 2 * g.gate_hidden + 4 * g.latent_dim)
+
+
+def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
+    g = routing.depth_gate
+    oracle = f", oracle {g.oracle} (utility {g.utility_weight:g}, rank {g.rank_weight:g})" if g.needs_oracle else ""
+    return (f"depth_gate ({g.gate} gate): {where}, full FFN for {g.budget:g} of the tokens, cheap "
+            f"{g.cheap} {g.cheap_hidden}{oracle}")
+
+
+DEPTH_GATE = MethodSpec(name="depth_gate", layer=DepthGateLayer, controller=("scorer", "cheap"), flops=_flops,
+                        model_no_grad=_oracle_flops, activations=_activations, describe=_describe,
+                        syncs_state=True, frozen_base_flops=True)

@@ -29,6 +29,7 @@ from ..rope import Positions
 from .context import RoutingContext
 from .dispatch import Dispatcher
 from .execute import update_masked
+from .spec import LayerFlops, MethodSpec, block_flops
 
 
 class EarlyExitLayer(nn.Module):
@@ -73,3 +74,26 @@ class EarlyExitLayer(nn.Module):
         ctx.add_loss(f"{name}/exit_bce", F.binary_cross_entropy_with_logits(confidence.float(), label),
                      self.loss_weight)
         ctx.add_stat(f"{name}/exit_label_frac", label.mean())
+
+
+def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
+    """Every token (an upper bound at inference); the confidence head; training reads the LM head
+    out of each routed block for the consistency label (no grad)."""
+    d = model.d_model
+    return LayerFlops({**block_flops(T, d, model.ffn_hidden), "gate": 2 * T * d},
+                      no_grad={"exit_labels": 2 * T * d * model.vocab_size})
+
+
+def _activations(model: ModelConfig, routing: RoutingConfig, T: int, block) -> float:
+    return block(T) + T
+
+
+def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
+    return f"early_exit: {where}, exit threshold {routing.early_exit.threshold:g}"
+
+
+# Every block must skip exited tokens: the unrouted ones are EarlyExitLayers without a head.
+# Exits are not per-layer decisions the audit can replace: no audit hooks.
+EARLY_EXIT = MethodSpec(name="early_exit", layer=EarlyExitLayer, unrouted_layer=partial(EarlyExitLayer, head=False),
+                        controller=("exit_head",), flops=_flops, activations=_activations, audit=None,
+                        describe=_describe)

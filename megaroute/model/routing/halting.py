@@ -21,6 +21,7 @@ from ..rope import Positions
 from .context import RoutingContext
 from .dispatch import Dispatcher
 from .execute import update_masked
+from .spec import AuditModes, LayerFlops, MethodSpec, block_flops
 
 
 class HaltGate(nn.Module):
@@ -56,3 +57,24 @@ class HaltingLayer(nn.Module):
             return update_masked(self.block, x, pos, runs, dispatcher=self.dispatcher)
         ctx.add_loss(f"{name}/depth_penalty", p.float().mean(), self.penalty)
         return x + p.unsqueeze(-1).to(x.dtype) * self.block.update(x, pos)
+
+
+def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
+    """Every block on every token (hard-mode savings are measured as TLOps, not predicted); the gate MLP."""
+    d, h = model.d_model, routing.halting.hidden
+    return LayerFlops({**block_flops(T, d, model.ffn_hidden), "gate": T * (2 * d * h + 2 * h)})
+
+
+def _activations(model: ModelConfig, routing: RoutingConfig, T: int, block) -> float:
+    return block(T) + T * (routing.halting.hidden + model.d_model)  # gate MLP hidden and the un-scaled update
+
+
+def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
+    return f"halting: {where}, penalty {routing.halting.penalty:g}, tau {routing.halting.tau:g}"
+
+
+# Soft gates are causal already: the second evaluation mode is the hard skip at tau, which is
+# also the mode whose decisions change compute (the audit's).
+HALTING = MethodSpec(name="halting", layer=HaltingLayer, eval_modes={"": "topk", "_hard": "hard"},
+                     controller=("halt",), flops=_flops, activations=_activations,
+                     audit=AuditModes(decisions="hard", causal="hard"), describe=_describe)

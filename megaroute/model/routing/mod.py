@@ -25,6 +25,7 @@ from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
 from .execute import update_selected
+from .spec import LayerFlops, MethodSpec, block_flops, capacity_tokens
 
 
 def _identity(r: torch.Tensor) -> torch.Tensor:
@@ -91,3 +92,22 @@ class MoDLayer(nn.Module):
             ctx.add_loss(f"{name}/predictor_bce", F.binary_cross_entropy_with_logits(causal.float(), target.float()),
                          self.predictor_loss_weight)
         ctx.add_stat(f"{name}/causal_agreement", ((causal > 0) == selected).float().mean())
+
+
+def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
+    """The block on k tokens; the router (and the predictor) on all T."""
+    d = model.d_model
+    fwd = block_flops(capacity_tokens(routing, T), d, model.ffn_hidden)
+    fwd["router"] = 2 * T * d
+    if routing.causal_method == "predictor":
+        h = routing.predictor_hidden
+        fwd["predictor"] = 2 * T * d * h + 2 * T * h
+    return LayerFlops(fwd)
+
+
+def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
+    return f"mod: {where}, k = {k} of {T} tokens, causal method {routing.causal_method}"
+
+
+MOD = MethodSpec(name="mod", layer=MoDLayer, controller=("router", "predictor"), tokens=capacity_tokens,
+                 flops=_flops, describe=_describe)

@@ -1,4 +1,4 @@
-"""The sweep's MLflow side: its parent run, and reading back the finished point runs.
+"""A sweep's MLflow runs: opening its parent run, and reading back the finished point runs.
 
 Training runs log through megaroute.train.tracking (a child process that never blocks
 training). This module is for short-lived CLI commands, so it uses MlflowClient directly.
