@@ -1,7 +1,7 @@
 """Compiled Triton dispatch kernels on CUDA against the PyTorch references, forward and backward,
 in fp32, bf16 and fp16, and inside routed models; then the bandwidth benchmark's CUDA path.
 
-The parity helpers are tests/unit/test_kernels.py's (there, on a GPU machine, every test runs on
+The parity helpers are tests/unit/kernels/test_kernels.py's (there, on a GPU machine, every test runs on
 CUDA too; `-m cuda` selects only these and that file's own CUDA test).
 """
 
@@ -14,7 +14,7 @@ from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
 from megaroute.model import ForwardOptions
 
-from ..unit.test_kernels import TOL, _indices, _rand, _run
+from ..unit.kernels.test_kernels import TOL, _indices, _rand, _run
 
 pytestmark = pytest.mark.cuda
 

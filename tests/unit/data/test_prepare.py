@@ -18,7 +18,7 @@ from megaroute.data.ingest import MIN_CHUNK_BYTES as CHUNK_BYTES, chunk_bytes_fo
 from megaroute.data.loader import PackedDataset
 from megaroute.data.tokenizers import load_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_text(n_chars: int, seed: int = 0) -> str:

@@ -22,7 +22,7 @@ from megaroute.model.routing.context import eval_modes
 from megaroute.model.routing.dispatch import Dispatcher
 from megaroute.model.routing.execute import update_masked
 
-from .test_flops import _count
+from ...test_flops import _count
 
 
 # --- the whole toy method: a layer and its spec ---------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from megaroute.parallel import collectives
 from megaroute.parallel.testing import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ALLOWED = REPO / "megaroute" / "parallel"
 COLLECTIVES = {
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",

@@ -13,7 +13,7 @@ from megaroute.cli import main
 from megaroute.data.loader import PackedDataset
 from megaroute.data.tokenizers import load_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHAR_CONFIG = "configs/data/tinyshakespeare_char.yaml"
 
 

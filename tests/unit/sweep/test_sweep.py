@@ -15,7 +15,7 @@ from megaroute.sweep import analyze as A
 from megaroute.sweep.plan import plan
 from megaroute.sweep.spec import SweepSpecError, load_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs/sweeps/tiny.yaml"
 
 

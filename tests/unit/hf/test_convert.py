@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from megaroute.hf.reader import ConversionError
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 TEXT = open(os.path.join(REPO, "data/tinyshakespeare.txt")).read()[:20000]
 
 
