@@ -164,14 +164,23 @@ def check_utf8(path: str, hint: str = "") -> None:
         raise DataError(f"data.source: could not read {path}: {type(e).__name__}: {e}") from None
 
 
-def text_corpus(source: str, files: list[str]) -> Corpus:
-    """Plain text files; each file is a document."""
+def _text_sizes(files: list[str], strict_utf8: bool = False) -> list[int]:
+    """Sizes of plain text files, after checking the input is not empty and every file is text
+    (and, when `strict_utf8`, that it decodes in full)."""
     sizes = [os.path.getsize(p) for p in files]
     if sum(sizes) == 0:
         raise DataError(f"data.source: input is empty: {', '.join(files)}")
     for path, size in zip(files, sizes):
         if size:
             require_text(path)
+            if strict_utf8:
+                check_utf8(path, _STRICT_HINT)
+    return sizes
+
+
+def text_corpus(source: str, files: list[str]) -> Corpus:
+    """Plain text files; each file is a document."""
+    sizes = _text_sizes(files)
     chunk_bytes = chunk_bytes_for(sum(sizes))
     chunks: list[Chunk] = []
     for path, size in zip(files, sizes):
@@ -376,14 +385,7 @@ def check_source(cfg: DataConfig) -> None:
     if fmt != "text":
         _check_structured(files, fmt, cfg.text_field)
         return
-    sizes = [os.path.getsize(p) for p in files]
-    if sum(sizes) == 0:
-        raise DataError(f"data.source: input is empty: {', '.join(files)}")
-    for path, size in zip(files, sizes):
-        if size:
-            require_text(path)
-            if cfg.decode_errors == "strict":
-                check_utf8(path, _STRICT_HINT)
+    _text_sizes(files, strict_utf8=cfg.decode_errors == "strict")
 
 
 def open_corpus(cfg: DataConfig, cache_dir: str) -> Corpus:

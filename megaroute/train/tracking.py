@@ -82,6 +82,7 @@ def _child_main(status_fd: int) -> None:
     signaled = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: signaled.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked by _start_child
     os.set_blocking(status_fd, False)  # the training process reads it only now and then
     reader = _FrameReader(sys.stdin.fileno())
     writer: Optional[MLflowWriter] = None
@@ -180,7 +181,11 @@ class MLflowTracker:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        code = "import sys; from megaroute.train.tracking import _child_main; _child_main(int(sys.argv[1]))"
+        # SIGTERM/SIGINT blocked before anything is imported: a scheduler signals every process of the job,
+        # and one arriving while the child still imports (torch, mlflow: seconds on a loaded node) would
+        # kill it before _child_main's handlers exist. _child_main unblocks them once they do.
+        code = ("import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT}); "
+                "import sys; from megaroute.train.tracking import _child_main; _child_main(int(sys.argv[1]))")
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code, str(status_w)], stdin=subprocess.PIPE,
                                          pass_fds=(status_w,), env=env, close_fds=True)
