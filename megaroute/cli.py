@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from .config import ConfigError
+
 # name -> module exposing `add_parser(subparsers)`; imported lazily so `megaroute --help`
 # stays fast and a subcommand's heavy dependencies load only when it runs.
 SUBCOMMANDS = {
@@ -28,8 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megaroute.config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

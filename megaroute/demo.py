@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 
+from mlflow.tracking import MlflowClient
+
 from .config import load_config
+from .flops import flops_per_token
+from .train.tracking import default_uri
 
 RUNS = (("dense", "configs/tiny.yaml"), ("mod", "configs/tiny_mod.yaml"))
 # Short enough that install + both runs fit in 10 minutes on 2 cores, long enough that the
@@ -28,11 +32,6 @@ def _launch(config: str, name: str, nprocs: int, overrides: list[str]) -> None:
 
 
 def _summary(cfg, run_name: str) -> dict:
-    from mlflow.tracking import MlflowClient
-
-    from .flops import flops_per_token
-    from .train.tracking import default_uri
-
     client = MlflowClient(tracking_uri=cfg.tracking.uri or default_uri(cfg.runs_dir))
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     run = client.search_runs([exp.experiment_id], f"attributes.run_name = '{run_name}'",

@@ -1,5 +1,8 @@
 """Analytic, routing-aware FLOPs accounting and MFU.
 
+Each routing method's per-block terms live in its MethodSpec (megaroute.model.routing.spec, next
+to its layer: `tokens`, `flops`, `model_no_grad`); this module sums them under these conventions.
+
 Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and tested):
 
 * A matmul [m, k] @ [k, n] costs 2*m*k*n FLOPs (one multiply + one add). Only matmuls count:
@@ -59,16 +62,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from .config import Config, ModelConfig, RoutingConfig
-from .routing.dispatch import capacity_k
+from .model.routing import METHODS, block_flops, method_spec
 
 BACKWARD_FACTOR = 2  # backward = grad w.r.t. inputs + grad w.r.t. weights = 2 x forward
 
 COMPONENTS = ("embedding", "attn_proj", "attn_scores", "mlp", "cheap", "router", "predictor", "gate", "lm_head")
 # Forward-only training work (no backward): oracle-label passes, frozen heads, exit labels.
 NO_GRAD_COMPONENTS = ("oracle", "target_head", "exit_labels")
-# What routing.freeze_base leaves trainable in a depth gate: its scorer (the "gate") and cheap FFN.
-CONTROLLER_COMPONENTS = ("cheap", "gate")
 
 
 @dataclass(frozen=True)
@@ -135,81 +138,25 @@ class FlopsBreakdown:
         }
 
 
-def _block_flops(n: int, d: int, ffn: int) -> dict[str, int]:
-    """Forward FLOPs of one transformer block on n tokens of one sequence."""
-    return {
-        "attn_proj": 2 * n * d * 3 * d + 2 * n * d * d,  # fused qkv + output projection
-        "attn_scores": 2 * (2 * n * n * d),  # QK^T and AV over the full n x n matrix
-        "mlp": 2 * n * d * 2 * ffn + 2 * n * ffn * d,  # SwiGLU: fused gate|up, then down
-    }
-
-
 def _add(into: dict[str, int], flops: dict[str, int]) -> None:
     for name, value in flops.items():
         into[name] = into.get(name, 0) + value
 
 
-def _capacity_tokens(routing: RoutingConfig, T: int) -> int:
-    if routing.method == "stride":
-        return T // max(1, round(1 / routing.capacity))
-    return capacity_k(T, routing.capacity)
-
-
-def _depth_gate_layer(T: int, d: int, ffn: int, routing: RoutingConfig) -> tuple[dict, dict, dict, dict]:
-    """(inference forward, training-only with grad, training-only no-grad, controller input matmuls)
-    of one gated block. The last: the controller's first matmuls, which read the block's hidden state."""
-    g = routing.depth_gate
-    k = capacity_k(T, g.budget)
-    attn = _block_flops(T, d, ffn)
-    full_per_token = attn["mlp"] // T
-    cheap_per_token = (2 * d * g.cheap_hidden * 2 if g.cheap == "low_rank" else 2 * d * 2 * g.cheap_hidden
-                       + 2 * g.cheap_hidden * d)
-    h, z = g.gate_hidden, g.latent_dim
-    if g.gate == "mlp":
-        gate = T * (2 * d * h + 2 * h)
-    else:  # context projection, two action-conditional forecasts, readout of their difference
-        gate = T * (2 * d * h + 2 * 2 * h * z + 2 * z)
-    forward = {"attn_proj": attn["attn_proj"], "attn_scores": attn["attn_scores"], "mlp": k * full_per_token,
-               "cheap": (T - k) * cheap_per_token, "gate": gate}
-    train_extra = {"mlp": (T - k) * full_per_token, "cheap": k * cheap_per_token}
-    no_grad = {"target_head": 2 * T * 2 * d * z} if g.gate == "jepa" else {}
-    inputs = {"cheap": T * 2 * d * g.cheap_hidden * (1 if g.cheap == "low_rank" else 2), "gate": T * 2 * d * h}
-    return forward, train_extra, no_grad, inputs
-
-
 def _frozen_backward(layer: dict[str, int], grad_in: bool, inputs: dict[str, int]) -> dict[str, int]:
     """Backward FLOPs autograd runs for one layer's training forward `layer` when only the controller
     trains. grad_in: the layer's input needs grad (a controller upstream); otherwise only matmuls
-    after the controller's input ones (`inputs`) compute input gradients."""
+    after the controller's input ones (`inputs`, keyed by the components that train) compute input
+    gradients."""
     bwd = {}
     for name, f in layer.items():
-        trains = name in CONTROLLER_COMPONENTS
+        trains = name in inputs
         if grad_in:
             input_grad = BACKWARD_FACTOR * f if name == "attn_scores" else f
         else:
             input_grad = f - inputs[name] if trains else 0
         bwd[name] = input_grad + (f if trains else 0)
     return bwd
-
-
-def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forward: list[int]) -> int:
-    """Forward FLOPs of the oracle-label passes for one sequence (two suffix passes per gated block)."""
-    g = routing.depth_gate
-    if routing.method != "depth_gate" or not g.needs_oracle:
-        return 0
-    dense_block = sum(_block_flops(T, model.d_model, model.ffn_hidden).values())
-    head = 2 * T * model.d_model * model.vocab_size
-    gated = [i for i in range(model.n_layers) if routing.is_routed(i)]
-    total = 0
-    for start in gated:
-        rest = 0
-        for j in range(start + 1, model.n_layers):
-            forced_full = g.oracle == "off_policy" and routing.is_routed(j)
-            rest += dense_block if forced_full else layer_forward[j]
-        total += 2 * (rest + head)
-    if g.oracle_layers:  # each block labelled with probability oracle_layers / gated blocks
-        total = total * min(len(gated), g.oracle_layers) // len(gated)
-    return total
 
 
 def estimate_flops(
@@ -222,13 +169,15 @@ def estimate_flops(
     """Forward/training FLOPs of one sequence for a model + routing config.
 
     frozen_base: count the backward autograd executes under controller-only training
-    (`FlopsBreakdown.frozen_backward`) instead of 2 x forward; depth gate only.
+    (`FlopsBreakdown.frozen_backward`) instead of 2 x forward; for methods whose spec sets
+    frozen_base_flops (the depth gate).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    T, d, ffn, method = seq_len, model.d_model, model.ffn_hidden, routing.method
-    if frozen_base and method != "depth_gate":
-        raise NotImplementedError(f"executed frozen-base FLOPs are modelled for depth_gate only, not {method!r}")
+    T, d, ffn, spec = seq_len, model.d_model, model.ffn_hidden, method_spec(routing.method)
+    if frozen_base and not spec.frozen_base_flops:
+        modelled = ", ".join(name for name, s in METHODS.items() if s.frozen_base_flops)
+        raise NotImplementedError(f"executed frozen-base FLOPs are modelled for {modelled} only, not {spec.name!r}")
     comp = dict.fromkeys(COMPONENTS, 0)
     train_extra: dict[str, int] = {}
     no_grad = dict.fromkeys(NO_GRAD_COMPONENTS, 0)
@@ -237,29 +186,12 @@ def estimate_flops(
     tokens, layer_forward, recompute = [], [], 0
     for layer in range(model.n_layers):
         routed = routing.is_routed(layer)
-        fwd: dict[str, int] = {}
-        extra: dict[str, int] = {}
-        inputs: dict[str, int] = {}  # depth gate: the controller's matmuls on the block's hidden state
-        n = T
-        if routed and method in ("mod", "random", "stride", "first_k"):
-            n = _capacity_tokens(routing, T)
-            _add(fwd, _block_flops(n, d, ffn))
-            if method == "mod":
-                fwd["router"] = 2 * T * d
-                if routing.causal_method == "predictor":
-                    h = routing.predictor_hidden
-                    fwd["predictor"] = 2 * T * d * h + 2 * T * h
-        elif routed and method == "depth_gate":
-            fwd, extra, ng, inputs = _depth_gate_layer(T, d, ffn, routing)
-            _add(no_grad, ng)
+        if routed:  # the method's terms (megaroute.model.routing.spec.MethodSpec)
+            n, terms = spec.tokens(routing, T), spec.layer_flops(model, routing, T)
+            fwd, extra, inputs = dict(terms.forward), terms.train_extra, terms.controller_inputs
+            _add(no_grad, terms.no_grad)
         else:
-            _add(fwd, _block_flops(T, d, ffn))
-            if routed and method == "halting":
-                h = routing.halting.hidden
-                fwd["gate"] = T * (2 * d * h + 2 * h)
-            elif routed and method == "early_exit":
-                fwd["gate"] = 2 * T * d
-                no_grad["exit_labels"] += 2 * T * d * model.vocab_size
+            n, fwd, extra, inputs = T, block_flops(T, d, ffn), {}, {}
         tokens.append(n)
         layer_forward.append(sum(fwd.values()))
         _add(comp, fwd)
@@ -274,7 +206,8 @@ def estimate_flops(
     comp["lm_head"] = 2 * T * d * model.vocab_size
     if frozen_base:
         frozen_bwd["lm_head"] = comp["lm_head"] if grad_in else 0  # input gradient only
-    no_grad["oracle"] = _oracle_flops(model, routing, T, layer_forward)
+    if spec.model_no_grad is not None:
+        _add(no_grad, spec.model_no_grad(model, routing, T, layer_forward))
     return FlopsBreakdown(seq_len=T, components=comp, tokens_per_layer=tuple(tokens), recompute=recompute,
                           train_extra=train_extra, no_grad=no_grad, frozen_backward=frozen_bwd)
 
@@ -346,8 +279,6 @@ def peak_flops(device: Optional[str] = None) -> float:
     device (CUDA if available, else CPU). Unknown GPUs raise: set train.peak_flops explicitly.
     """
     if device is None:
-        import torch
-
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if device.lower() == "cpu":
         return cpu_peak_flops()
@@ -358,6 +289,6 @@ def peak_flops(device: Optional[str] = None) -> float:
 
 
 __all__ = [
-    "BACKWARD_FACTOR", "COMPONENTS", "CONTROLLER_COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
+    "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
     "cpu_peak_flops", "estimate_flops", "flops_per_token", "mfu", "peak_flops", "training_proxy",
 ]

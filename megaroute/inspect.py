@@ -13,18 +13,19 @@ import json
 
 from torch import nn
 
-from .config import Config
+from .config import Config, load_config
 from .config.cli import add_config_args
 from .flops import COMPONENTS, config_flops, training_proxy
 from .memory import estimate_memory
+from .model import build_model
+from .model.routing import is_controller_param, method_spec
+from .parallel import TensorParallelModule
+
 
 def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
     head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
     norms stay whole on every rank. Tied weights once."""
-    from .parallel import TensorParallelModule
-    from .routing import is_controller_param
-
     out: dict[int, nn.Parameter] = {}
     for name, m in model.named_modules():
         if isinstance(m, TensorParallelModule) and not is_controller_param(name):
@@ -47,8 +48,6 @@ def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
 
 
 def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: int) -> dict:
-    from .model import build_model
-
     model = build_model(cfg.model, cfg.routing, device="meta")
     params = param_counts(model, tp)
     flops = config_flops(cfg)
@@ -86,19 +85,7 @@ def _gib(n: int) -> str:
 def _routing_summary(r, n_layers: int, T: int, tokens_per_layer) -> str:
     routed = [i for i in range(n_layers) if r.is_routed(i)]
     where = f"{len(routed)} of {n_layers} blocks routed (every {r.every}, offset {r.offset})"
-    if r.method == "depth_gate":
-        g = r.depth_gate
-        oracle = (f", oracle {g.oracle} (utility {g.utility_weight:g}, rank {g.rank_weight:g})"
-                  if g.needs_oracle else "")
-        return (f"depth_gate ({g.gate} gate): {where}, full FFN for {g.budget:g} of the tokens, cheap "
-                f"{g.cheap} {g.cheap_hidden}{oracle}")
-    if r.method == "halting":
-        return f"halting: {where}, penalty {r.halting.penalty:g}, tau {r.halting.tau:g}"
-    if r.method == "early_exit":
-        return f"early_exit: {where}, exit threshold {r.early_exit.threshold:g}"
-    k = tokens_per_layer[routed[0]]
-    causal = f", causal method {r.causal_method}" if r.method == "mod" else ""
-    return f"{r.method}: {where}, k = {k} of {T} tokens{causal}"
+    return method_spec(r.method).summary(r, where, tokens_per_layer[routed[0]], T)
 
 
 def format_report(cfg: Config, info: dict) -> str:
@@ -156,8 +143,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .config import load_config
-
     cfg = load_config(args.config, args.overrides)
     layout = {
         "zero_stage": cfg.optim.zero_stage if args.zero_stage is None else args.zero_stage,

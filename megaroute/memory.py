@@ -25,8 +25,9 @@ parallelism. Per token of a block that processes it, in activation elements:
                         the normalized value: 8 - p more bytes per element; not modeled)
     TP-sharded:         q|k|v (3d), rotated q and k (2d), attention output and its
                         reshaped copy (2d), gate|up (2f), silu(gate), product  = 7d + 4f
-A routed block also keeps its full-length input (read by the router, T x d) and the delta of
-its k tokens (k x d, for the gate's gradient). The head keeps the final norm's two tensors
+A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
+one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
+delta of its k tokens (k x d, for the gate's gradient). The head keeps the final norm's two tensors
 (2d) plus the logits (returned to the caller, so alive until backward) and the fp32
 log-softmax cross-entropy saves. With full activation checkpointing only each layer's input
 is kept, plus one layer's activations while it is recomputed. Temporaries (e.g. the fp32
@@ -39,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig, RoutingConfig
-from .routing.dispatch import capacity_k
+from .model.routing import method_spec
 
 # Bytes per parameter: (weights, gradients, fp32 states: master/fp32-grads/Adam).
 STATE_BYTES = {"mixed": (2, 2, 16), "fp32": (4, 4, 8)}
@@ -107,21 +108,9 @@ def activation_bytes(
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
         return n * (4 * d + (7 * d + 4 * f) / tp)
 
-    def routed_layer() -> float:
-        method = routing.method
-        if method in ("mod", "random", "stride", "first_k"):
-            k = T // max(1, round(1 / routing.capacity)) if method == "stride" else capacity_k(T, routing.capacity)
-            return T * d + block(k) + k * d  # full-length input for the router, block on k, delta
-        if method == "depth_gate":  # both paths for every token: + cheap hidden, cheap output, scorer
-            g = routing.depth_gate
-            return block(T) + T * (2 * g.cheap_hidden + d + 2 * g.gate_hidden + 4 * g.latent_dim)
-        if method == "halting":  # gate MLP hidden and the un-scaled update
-            return block(T) + T * (routing.halting.hidden + d)
-        if method == "early_exit":
-            return block(T) + T
-        raise NotImplementedError(f"activation memory for routing.method {method!r} is not modeled")
-
-    layers = [routed_layer() if routing.is_routed(i) else block(T) for i in range(model.n_layers)]
+    spec = method_spec(routing.method)  # a routed block's terms: MethodSpec.activations
+    layers = [spec.layer_activations(model, routing, T, block) if routing.is_routed(i) else block(T)
+              for i in range(model.n_layers)]
     if activation_checkpointing:
         body = model.n_layers * T * d * p + max(layers) * p
     else:

@@ -6,6 +6,13 @@ import os
 import sys
 import time
 
+import torch
+
+from ..config import ConfigError
+from ..train.tracking import default_uri
+from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
+                     write_report)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("audit", help="routing audit of a checkpoint: counterfactuals, correlations, strata, maps")
@@ -27,13 +34,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..config import ConfigError
-    from ..train.tracking import default_uri
-    from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
-                         write_report)
-
     if not os.path.exists(args.checkpoint):
         raise ConfigError("", f"checkpoint path {args.checkpoint!r} does not exist")
     hf = is_hf_dir(args.checkpoint)

@@ -17,23 +17,34 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
 
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError
+from ..data.loader import PackedDataset, SequenceLoader
+from ..data.tokenizers import load_tokenizer
+from ..hf.modeling_megaroute import megaroute_sections
+from ..hf.reader import ConversionError, full_state_dict, locate
+from ..model import ForwardOptions, build_model
+from ..model.routing import METHODS, method_spec
+from ..train.checkpoint import CheckpointError, resolve_checkpoint
 from . import analysis
 
-AUDITABLE = ("mod", "random", "stride", "first_k", "depth_gate", "halting")
+
+def auditable_methods() -> tuple[str, ...]:
+    """Registered routing methods with per-layer decisions to audit (their spec has audit hooks)."""
+    return tuple(name for name, spec in METHODS.items() if spec.audit is not None)
 
 
 def find_config(path: str) -> str:
     """The resolved config.yaml of the run a checkpoint path belongs to (run dir, checkpoints
-    root, tag directory or model-states file)."""
-    here = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
-    for _ in range(4):
-        candidate = os.path.join(here, "config.yaml")
-        if os.path.isfile(candidate):
-            return candidate
-        here = os.path.dirname(here)
-    raise ConfigError("", f"{path}: no run config.yaml found next to or above it (not a megaroute run?)")
+    root, tag directory or model-states file: see `resolve_checkpoint`)."""
+    try:
+        config = resolve_checkpoint(path).config
+    except CheckpointError as e:
+        raise ConfigError("", str(e)) from None
+    if config is None:
+        raise ConfigError("", f"{path}: no run config.yaml found above it (not a megaroute run?)")
+    return config
 
 
 def is_hf_dir(path: str) -> bool:
@@ -49,10 +60,8 @@ def load_hf_model(path: str, device: str = "cpu"):
     The config's data section is a placeholder: the caller names the prepared data directory."""
     from transformers import AutoModelForCausalLM
 
-    from ..config import Config
 
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-    from ..hf.modeling_megaroute import megaroute_sections
 
     model_cfg, routing_cfg = megaroute_sections(hf.config)
     cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
@@ -61,22 +70,18 @@ def load_hf_model(path: str, device: str = "cpu"):
 
 
 def load_run_model(path: str, device: str = "cpu"):
-    """-> (model in eval mode, its Config) from a run or checkpoint path (tensor-parallel degree 1)
-    or a converted Hugging Face directory."""
-    from ..model import build_model
-    from ..train.run import resolve_init_from
-
+    """-> (model in eval mode, its Config) from a run or checkpoint path of any ZeRO stage and TP
+    degree (weights merged by the converter's reader) or from a converted Hugging Face directory."""
     if is_hf_dir(path):
         return load_hf_model(path, device)
-    cfg = load_config(find_config(path))
-    if cfg.parallel.tp > 1:
-        raise ConfigError("parallel.tp", f"{path} was trained with tp={cfg.parallel.tp}: convert it to a single "
-                                         "shard first (megaroute convert)")
-    weights_file = resolve_init_from(path)
-    state = torch.load(weights_file, map_location="cpu", weights_only=True)
-    model = build_model(cfg.model, cfg.routing)
-    model.load_state_dict(state.get("module", state))
-    return model.to(device).eval(), cfg
+    try:
+        src = locate(path)
+        weights = full_state_dict(src)
+    except ConversionError as e:
+        raise ConfigError("", str(e)) from None
+    model = build_model(src.config.model, src.config.routing)
+    model.load_state_dict(weights)
+    return model.to(device).eval(), src.config
 
 
 def _per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -93,11 +98,12 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
     """Runs every per-token analysis over `batches` of (inputs, targets). `reference` (a dense
     model) gives token entropy and the dense loss; without it the audited model's own entropy is used."""
     method = cfg.routing.method
-    if method not in AUDITABLE:
+    hooks = method_spec(method).audit
+    if hooks is None:
         raise ConfigError("routing.method", f"audit needs a routed model with per-layer decisions, one of "
-                                            f"{AUDITABLE}; got {method!r}")
-    # Halting decisions only change compute in hard mode; the others decide by top-k in training.
-    mode = "hard" if method == "halting" else "topk"
+                                            f"{auditable_methods()}; got {method!r}")
+    # The mode whose decisions change compute (halting: hard; the others decide by top-k in training).
+    mode = hooks.decisions
     generator = torch.Generator().manual_seed(seed)
     losses: dict[str, list[torch.Tensor]] = {}
     decisions: dict[str, list[torch.Tensor]] = {}
@@ -105,7 +111,7 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
     strata: list[torch.Tensor] = []
     sample = None
     for x, y in batches:
-        learned = model(x, routing_mode=mode, record_decisions=True)
+        learned = model(x, options=ForwardOptions(mode=mode, record_decisions=True))
         ref_logits = reference(x).logits if reference is not None else learned.logits
         ent = analysis.entropy(ref_logits)
         strata.append(ent)
@@ -116,8 +122,8 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
         for name, make in (("random", lambda m: analysis.random_like(m, generator)), ("stride", analysis.stride_like),
                            ("entropy", lambda m: analysis.top_scores_like(m, ent)), ("inverted", analysis.inverted)):
             masks = {layer: make(m) for layer, m in learned.decisions.items()}
-            add(name, model(x, routing_mode=mode, masks=masks).logits)
-        causal = model(x, routing_mode="causal" if method != "halting" else "hard", record_decisions=True)
+            add(name, model(x, options=ForwardOptions(mode=mode, masks=masks)).logits)
+        causal = model(x, options=ForwardOptions(mode=hooks.causal, record_decisions=True))
         add("causal", causal.logits)
         for layer, m in learned.decisions.items():
             decisions.setdefault(layer, []).append(m.cpu())
@@ -149,8 +155,6 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
 
 def seed_report(uri: str, experiment: str, baseline: str = "dense") -> dict:
     """Final val/loss per variant and seed from an MLflow experiment -> analysis.seed_variance."""
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -276,8 +280,6 @@ def _markdown(r: dict) -> str:
 
 
 def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(uri)
     for path in paths:
         client.log_artifact(run_id, path, "audit")
@@ -285,9 +287,6 @@ def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:
 
 def batches_for(cfg: Config, split: str, tokens: int, batch_size: int, data_dir: Optional[str] = None):
     """Deterministic evaluation batches covering about `tokens` tokens of a prepared split."""
-    from ..data.loader import PackedDataset, SequenceLoader
-    from ..data.tokenizers import load_tokenizer
-
     out_dir = data_dir or cfg.data.output_dir
     tokenizer = load_tokenizer(out_dir)
     dataset = PackedDataset(out_dir, split, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,

@@ -25,6 +25,12 @@ import time
 
 import torch
 
+from ..config import load_config
+from ..data.tokenizers import CharTokenizer
+from ..hf.synthetic import write_checkpoint
+from ..model import ForwardOptions, build_model
+from ..model.routing import MoDLayer
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -40,15 +46,10 @@ def peak_rss_bytes() -> int:
 
 def make_run(config: str, workdir: str, tokenizer_path: str, tokenizer_hash: str,
              overrides: list[str] = ()) -> tuple[str, int]:
-    from ..config import load_config
-    from ..hf.synthetic import write_checkpoint
-    from ..model import build_model
-
     cfg = load_config(config, ["checkpoint.dir=checkpoints", "model.dtype=float32", *overrides])
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.routing)
-    if cfg.routing.method == "mod" and cfg.routing.causal_method == "predictor":
-        calibrate_predictors(model, cfg.routing.capacity, cfg.model.vocab_size)
+    calibrate_predictors(model, cfg.routing.capacity, cfg.model.vocab_size)
     n = sum(p.numel() for p in model.parameters())
     run = os.path.join(workdir, cfg.name)
     write_checkpoint(model, cfg, run, tokenizer_hash)
@@ -59,16 +60,14 @@ def make_run(config: str, workdir: str, tokenizer_path: str, tokenizer_hash: str
 def calibrate_predictors(model, capacity: float, vocab: int, tokens: int = 512) -> None:
     """Shifts each MoD causal predictor's output bias so it passes `capacity` of the tokens of a
     random sequence, as a trained predictor does (random weights pass about half). Layer by layer:
-    a layer's inputs depend on the decisions before it."""
-    from ..routing import MoDLayer
-
+    a layer's inputs depend on the decisions before it. A model without predictors is left as it is."""
     x = torch.randint(0, vocab, (1, min(tokens, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(1))
     for layer in model.layers:
-        if not isinstance(layer, MoDLayer):
+        if not isinstance(layer, MoDLayer) or layer.predictor is None:
             continue
         seen = []
         handle = layer.predictor.register_forward_hook(lambda m, inp, out: seen.append(out.flatten()))
-        model(x, routing_mode="causal")
+        model(x, options=ForwardOptions(mode="causal"))
         handle.remove()
         layer.predictor.net[-1].bias -= torch.quantile(seen[0].float(), 1 - capacity)
 
@@ -100,7 +99,7 @@ def sampling_speed(out: str, prompt_len: int, new_tokens: int, repeats: int = 2)
         t0 = time.perf_counter()
         seq = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         best = max(best, new_tokens / (time.perf_counter() - t0))
-    stats = model.model(seq, routing_mode="causal").routing_stats
+    stats = model.model(seq, options=ForwardOptions(mode="causal")).routing_stats
     fracs = [float(v) for k, v in stats.items() if k.endswith("/selected_frac")]
     return best, (sum(fracs) / len(fracs) if fracs else None)
 
@@ -114,7 +113,6 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ..data.tokenizers import CharTokenizer
 
     work = args.workdir or tempfile.mkdtemp(prefix="megaroute-bench-convert-")
     tok = CharTokenizer(open(os.path.join(REPO, "data/tinyshakespeare.txt")).read())

@@ -30,10 +30,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from ..config import DataConfig, TokenizerConfig, load_config
 from ..data.ingest import open_corpus
+from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import MIN_BYTES_PER_WORKER, prepare
 from ..data.tokenizers import SentencePieceTokenizer, train_sentencepiece
+from ..model import build_model
 
 BUNDLED = "data/tinyshakespeare.txt"
 TINY_CONFIG = "configs/tiny.yaml"
@@ -124,10 +128,6 @@ def loader_overhead(out_dir: str, steps: int) -> tuple[float, float]:
     Both are CPU time of this thread: with one torch thread all step compute runs here, and
     unlike wall time this is not inflated by other processes preempting us on a shared machine.
     """
-    import torch
-
-    from ..data.loader import PackedDataset, SequenceLoader
-    from ..model import build_model
 
     if not os.path.exists(TINY_CONFIG):
         raise SystemExit(f"{TINY_CONFIG} not found: run from the repository root")

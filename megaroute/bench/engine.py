@@ -19,7 +19,11 @@ import torch
 
 from ..config import load_config
 from ..model import build_model
+from ..train import engine as ds
+from ..train.engine import init_distributed
 from ..train.env import detect_env, release
+from ..train.optim import GuardedAdamW, param_groups
+from ..train.tracking import MLflowTracker
 
 SHAPES = {
     "tiny": ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "model.max_seq_len=128",
@@ -40,9 +44,6 @@ def _median_step(step_fn, batches, warmup: int) -> float:
 
 
 def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
-    from ..train import engine as ds
-    from ..train.optim import GuardedAdamW, param_groups
-
     cfg = load_config(None, [*SHAPES[shape], f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
                              "optim.zero_stage=0", "optim.warmup_steps=0"])
     g = torch.Generator().manual_seed(0)
@@ -75,8 +76,6 @@ def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
 
 def bench_logging(step_s: float, calls: int = 200) -> dict:
     """Per-step enqueue cost of MLflowTracker (a typical step's ~20 metrics) vs the step time."""
-    from ..train.tracking import MLflowTracker
-
     with tempfile.TemporaryDirectory() as tmp:
         tracker = MLflowTracker(f"sqlite:///{tmp}/bench.db", "bench", "bench", params={"a": 1}, tags={},
                                 artifact_root=os.path.join(tmp, "art"))
@@ -99,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     env = detect_env()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    from ..train.engine import init_distributed
 
     init_distributed(env)
     try:

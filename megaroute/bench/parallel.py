@@ -15,15 +15,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..config import ModelConfig, RoutingConfig
+from ..inspect import param_counts
+from ..model import build_model
+from ..model.routing import METHODS, method_spec
 from ..parallel import collectives
-from ..routing.dispatch import capacity_k
+from ..parallel.testing import run_distributed
 
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -47,12 +50,12 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
     act = BYTES[precision]
     d, B = model.d_model, micro_batch
     tp_bytes, tp_ops = 0.0, 0
+    spec = method_spec(routing.method)
     if tp > 1:
         for layer in range(model.n_layers):
-            # Tokens a block's TP layers see: MoD-style capacity routing runs k tokens; gates that
-            # train both paths (depth gate, halting, early exit) run every token.
-            capacity_routed = routing.is_routed(layer) and routing.method in ("mod", "random", "stride", "first_k")
-            tokens = B * (capacity_k(seq_len, routing.capacity) if capacity_routed else seq_len)
+            # Tokens a block's TP layers see (the spec's `tokens`): capacity routing runs its k tokens;
+            # gates that train both paths (depth gate, halting, early exit) run every token.
+            tokens = B * (spec.tokens(routing, seq_len) if routing.is_routed(layer) else seq_len)
             # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
             tp_bytes += 4 * tokens * d * act
             tp_ops += 4
@@ -62,8 +65,6 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
         tp_ops += 4
         tp_bytes *= accumulation
         tp_ops *= accumulation
-    from ..inspect import param_counts
-    from ..model import build_model
 
     # Attention, FFN, embedding and LM head are split over tp; routing controllers and norms are replicated.
     local = param_counts(build_model(model, routing, device="meta"), tp)["per_tp_rank"]
@@ -75,9 +76,6 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
 def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int, warmup: int,
                  threads: int) -> float:
     """Seconds per training step, measured on every rank between barriers."""
-    import torch.distributed as dist
-
-    from ..model import build_model
 
     torch.set_num_threads(threads)
     group = dist.new_group(list(range(world))) if world > 1 else None
@@ -107,14 +105,12 @@ def _fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..parallel.testing import run_distributed
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--method", default="none", choices=["none", "mod", "depth_gate", "halting"])
+    p.add_argument("--method", default="none", choices=list(METHODS))
     p.add_argument("--tp", type=int, default=2, help="TP size for the communication estimate")
     p.add_argument("--dp", type=int, default=1, help="DP size for the communication estimate")
     p.add_argument("--zero-stage", type=int, default=1)

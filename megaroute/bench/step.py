@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from ..config import ModelConfig, RoutingConfig
-from ..flops import flops_per_token
-from ..model import build_model
+from ..config import ModelConfig, RoutingConfig, load_config
+from ..flops import flops_per_token, peak_flops
+from ..model import ForwardOptions, build_model
+from .convert import calibrate_predictors
 
 TARGET = 1.15
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
@@ -119,8 +121,6 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
 def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> dict[str, tuple[ModelConfig, RoutingConfig]]:
     """name -> (model shape, routing): the built-in small pair, configs/{dense,mod}_<shape>.yaml, or
     explicit config files (named by their `variant`, else their `name`)."""
-    from ..config import load_config
-
     if shape == "small" and not configs:
         return {name: (SHAPE, routing) for name, routing in VARIANTS.items()}
     paths = configs or [str(CONFIGS / f"dense_{shape}.yaml"), str(CONFIGS / f"mod_{shape}.yaml")]
@@ -162,8 +162,6 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
 def profile_mod(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
                 shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None) -> str:
     """Operator table (self CPU time; self device time on CUDA) of MoD training steps, to see where routing time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape)
     trainer.step()  # warm up allocator and kernels outside the profile
     cuda = torch.device(device).type == "cuda"
@@ -202,8 +200,6 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
 
 def device_peak_tflops(override: Optional[float] = None) -> tuple[Optional[float], str]:
     """-> (dense 16-bit tensor-core peak TFLOP/s of the current GPU, where it comes from)."""
-    from ..flops import peak_flops
-
     if override:
         return override, "--peak-tflops"
     name = torch.cuda.get_device_name()
@@ -256,8 +252,6 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, fraction
     of tokens the routed blocks ran, or None for a dense model). Random weights; with `calibrate`,
     MoD's causal predictors pass the configured capacity, as trained ones do."""
-    from .convert import calibrate_predictors
-
     torch.manual_seed(0)
     model = build_model(shape, routing)
     if calibrate:
@@ -268,20 +262,20 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
 
     def decode() -> tuple[float, torch.Tensor]:
         cache = model.new_cache()
-        logits = model(prompt, routing_mode="causal", cache=cache).logits[:, -1]
+        logits = model(prompt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
         out = [prompt]
         sync()
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             nxt = logits.argmax(-1, keepdim=True)
             out.append(nxt)
-            logits = model(nxt, routing_mode="causal", cache=cache).logits[:, -1]
+            logits = model(nxt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
         sync()
         return time.perf_counter() - t0, torch.cat(out, dim=1)
 
     decode()  # warm-up (kernel compilation, allocator)
     elapsed, seq = min((decode() for _ in range(2)), key=lambda r: r[0])
-    stats = model(seq, routing_mode="causal").routing_stats
+    stats = model(seq, options=ForwardOptions(mode="causal")).routing_stats
     fracs = [float(v) for k, v in stats.items() if k.endswith("/selected_frac")]
     return batch * new_tokens / elapsed, (sum(fracs) / len(fracs) if fracs else None)
 

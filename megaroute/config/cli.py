@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from . import ConfigError, load_config, to_yaml
+
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """The --config FILE + trailing key=value overrides shared by every config-driven command."""
@@ -24,8 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from . import ConfigError, load_config, to_yaml
-
     cfg = load_config(args.config, args.overrides)
     if args.get is None:
         print(to_yaml(cfg), end="")

@@ -212,12 +212,18 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")
 
 
+# Keys renamed since they were released: the old name gets an error that says the new one.
+RENAMED = {"routing.gate": "routing.router_weight"}
+
+
 def _build(cls: type, data: dict, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
+        if full in RENAMED:
+            raise ConfigError(full, f"was renamed to {RENAMED[full]}")
         if key not in hints:
             raise ConfigError(full, f"unknown key{_suggest(str(key), names)}")
         kwargs[key] = _coerce(value, hints[key], full)

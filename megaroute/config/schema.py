@@ -8,8 +8,10 @@ live in each section's `validate`, cross-section checks in `Config.validate`. Bo
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -69,7 +71,18 @@ class ModelConfig:
         return m * ((hidden + m - 1) // m)
 
 
-RoutingMethod = Literal["none", "mod", "random", "stride", "first_k", "depth_gate", "halting", "early_exit"]
+# routing.method -> its MethodSpec (megaroute.model.routing.spec). The specs live next to their
+# layers, which import this module, so they cannot be imported here: megaroute.model.routing fills
+# this registry as it loads, and megaroute/__init__.py loads it before any config is validated.
+ROUTING_METHODS: dict[str, Any] = {}
+
+
+def check_routing_method(name: str, path: str = "routing.method") -> None:
+    """Raises ConfigError naming `path` unless `name` is a registered routing method."""
+    if name not in ROUTING_METHODS:
+        close = difflib.get_close_matches(str(name), list(ROUTING_METHODS), n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(path, f"must be one of {', '.join(map(repr, ROUTING_METHODS))}; got {name!r}{hint}")
 
 
 @dataclass
@@ -79,7 +92,10 @@ class DepthGateConfig:
     # G1 "mlp": hidden state -> utility score. G3 "jepa": an action-conditional predictor forecasts,
     # in a small latent space, the outcome of full vs cheap; the score reads the forecasts.
     gate: Literal["mlp", "jepa"] = "mlp"
-    # Fraction of tokens per sequence that take the full FFN.
+    # Fraction of tokens per sequence that take the full FFN. A separate word from
+    # routing.capacity on purpose: capacity is the fraction that runs a block at all (the rest
+    # skip it), budget the fraction that runs the full FFN (the rest run the cheap one; nobody
+    # skips attention). Both are exact per sequence in top-k mode.
     budget: float = 0.5
     gate_hidden: int = 64
     # Cheap path: "low_rank" = x -> (r) -> x with SiLU; "narrow" = a SwiGLU with a small hidden size.
@@ -153,19 +169,20 @@ class EarlyExitConfig:
 
 @dataclass
 class RoutingConfig:
-    # "none" = dense. Capacity routers (route -> gather -> block -> combine at routed blocks):
-    # "mod" = Mixture-of-Depths expert-choice top-k; baselines at the same capacity: "random",
-    # "stride" (every round(1/capacity)-th position), "first_k" (the first k positions).
-    # "depth_gate" = cheap/full FFN; "halting" = token-selective halting gates;
-    # "early_exit" = per-token exit after routed blocks.
-    method: RoutingMethod = "none"
+    # A registered routing method (ROUTING_METHODS). "none" = dense. Capacity routers (route ->
+    # gather -> block -> combine at routed blocks): "mod" = Mixture-of-Depths expert-choice top-k;
+    # baselines at the same capacity: "random", "stride" (every round(1/capacity)-th position),
+    # "first_k" (the first k positions). "depth_gate" = cheap/full FFN; "halting" = token-selective
+    # halting gates; "early_exit" = per-token exit after routed blocks.
+    method: str = "none"
     # Fraction of tokens per sequence that a routed block processes.
     capacity: float = 0.125
     # Block i is routed when i % every == offset (every=2, offset=1: blocks 1, 3, 5, ...).
     every: int = 2
     offset: int = 1
-    # Router weight on the residual update: identity (the paper's raw weight) or sigmoid.
-    gate: Literal["identity", "sigmoid"] = "identity"
+    # How a capacity router's score weights the routed block's residual update: identity (the
+    # paper's raw weight) or sigmoid. (Not the depth gate's scorer, routing.depth_gate.gate.)
+    router_weight: Literal["identity", "sigmoid"] = "identity"
     # How routed blocks decide causally at evaluation/sampling time.
     causal_method: Literal["aux_loss", "predictor"] = "aux_loss"
     aux_loss_weight: float = 0.01
@@ -179,6 +196,7 @@ class RoutingConfig:
     dispatch: Literal["auto", "torch", "triton"] = "auto"
 
     def validate(self, path: str) -> None:
+        check_routing_method(self.method, f"{path}.method")
         _require(0.0 < self.capacity <= 1.0, f"{path}.capacity", f"must be in (0, 1], got {self.capacity}")
         _require(self.every >= 1, f"{path}.every", f"must be >= 1, got {self.every}")
         _require(0 <= self.offset < self.every, f"{path}.offset",
@@ -399,8 +417,11 @@ class Config:
             _require(any(self.routing.is_routed(i) for i in range(self.model.n_layers)), "routing.offset",
                      f"no block is routed with every={self.routing.every}, offset={self.routing.offset} "
                      f"and n_layers={self.model.n_layers}")
+        spec = ROUTING_METHODS[self.routing.method]
+        if spec.check_config is not None:
+            spec.check_config(self)
         if self.train.controller_only:
-            _require(self.routing.method not in ("none", "random", "stride", "first_k"), "train.controller_only",
+            _require(spec.has_controller, "train.controller_only",
                      f"routing.method {self.routing.method!r} has no trainable controller")
             _require(bool(self.checkpoint.init_from), "checkpoint.init_from",
                      "train.controller_only needs the base weights: set checkpoint.init_from to a dense checkpoint")
@@ -408,6 +429,4 @@ class Config:
 
     @property
     def run_dir(self) -> str:
-        import os
-
         return os.path.join(self.runs_dir, self.name)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import sys
 
+from ..config import load_config
+from ..config.cli import add_config_args
+from . import DataError
+from .loader import PackedDataset
+from .prepare import prepare
+
 
 def add_parser(sub) -> None:
-    from megaroute.config.cli import add_config_args
-
     p = sub.add_parser("data", help="prepare and verify tokenized datasets")
     actions = p.add_subparsers(dest="data_action", required=True, metavar="ACTION")
 
@@ -27,11 +31,6 @@ def _fail(error: Exception) -> int:
 
 
 def run_prepare(args) -> int:
-    from megaroute.config import load_config
-
-    from . import DataError
-    from .prepare import prepare
-
     cfg = load_config(args.config, args.overrides)
     try:
         index = prepare(cfg.data, progress=not args.no_progress)
@@ -55,9 +54,6 @@ def run_prepare(args) -> int:
 
 
 def run_verify(args) -> int:
-    from . import DataError
-    from .loader import PackedDataset
-
     try:
         splits = PackedDataset(args.output_dir, seq_len=1).index["splits"]
         for split in splits:

@@ -44,7 +44,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 from urllib.parse import urlparse
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ..config.schema import DataConfig
 from . import DataError
@@ -160,14 +164,23 @@ def check_utf8(path: str, hint: str = "") -> None:
         raise DataError(f"data.source: could not read {path}: {type(e).__name__}: {e}") from None
 
 
-def text_corpus(source: str, files: list[str]) -> Corpus:
-    """Plain text files; each file is a document."""
+def _text_sizes(files: list[str], strict_utf8: bool = False) -> list[int]:
+    """Sizes of plain text files, after checking the input is not empty and every file is text
+    (and, when `strict_utf8`, that it decodes in full)."""
     sizes = [os.path.getsize(p) for p in files]
     if sum(sizes) == 0:
         raise DataError(f"data.source: input is empty: {', '.join(files)}")
     for path, size in zip(files, sizes):
         if size:
             require_text(path)
+            if strict_utf8:
+                check_utf8(path, _STRICT_HINT)
+    return sizes
+
+
+def text_corpus(source: str, files: list[str]) -> Corpus:
+    """Plain text files; each file is a document."""
+    sizes = _text_sizes(files)
     chunk_bytes = chunk_bytes_for(sum(sizes))
     chunks: list[Chunk] = []
     for path, size in zip(files, sizes):
@@ -217,9 +230,6 @@ class RowReader:
 
 def row_corpus(dataset, text_field: str, origin: str, description: dict) -> Corpus:
     """A `datasets.Dataset` with one document per row of `text_field`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     if text_field not in dataset.column_names:
         raise DataError(
             f"data.text_field: column {text_field!r} not found in {origin} (columns: {', '.join(dataset.column_names)})"
@@ -314,8 +324,6 @@ def _require_hub_reachable(name: str) -> None:
 
 
 def _load_dataset(builder_or_name: str, origin: str, **kwargs):
-    import datasets
-
     try:
         return datasets.load_dataset(builder_or_name, **kwargs)
     except Exception as e:  # datasets/pyarrow raise many types; name the input either way
@@ -344,12 +352,8 @@ def _check_structured(files: list[str], fmt: str, text_field: str) -> None:
         if fmt == "jsonl":
             check_utf8(path, "JSON must be UTF-8 (data.decode_errors applies to text files only)")
             continue
-        import pyarrow as pa
-
         try:
             if fmt == "parquet":
-                import pyarrow.parquet as pq
-
                 names = pq.read_schema(path).names
             else:  # what datasets' arrow builder reads: the IPC stream format, else the file format
                 with open(path, "rb") as f:
@@ -381,14 +385,7 @@ def check_source(cfg: DataConfig) -> None:
     if fmt != "text":
         _check_structured(files, fmt, cfg.text_field)
         return
-    sizes = [os.path.getsize(p) for p in files]
-    if sum(sizes) == 0:
-        raise DataError(f"data.source: input is empty: {', '.join(files)}")
-    for path, size in zip(files, sizes):
-        if size:
-            require_text(path)
-            if cfg.decode_errors == "strict":
-                check_utf8(path, _STRICT_HINT)
+    _text_sizes(files, strict_utf8=cfg.decode_errors == "strict")
 
 
 def open_corpus(cfg: DataConfig, cache_dir: str) -> Corpus:

@@ -14,6 +14,7 @@ import os
 from typing import Iterable, Optional, Protocol, Sequence
 
 import numpy as np
+import sentencepiece as spm
 
 from . import INDEX_FILE, DataError
 
@@ -51,8 +52,6 @@ class SentencePieceTokenizer:
     suffix = ".model"
 
     def __init__(self, model_proto: bytes, path: Optional[str] = None):
-        import sentencepiece as spm
-
         self._proto = bytes(model_proto)
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
@@ -170,8 +169,6 @@ def train_sentencepiece(
     (code, indentation); newline is a user-defined piece because the trainer sees text one
     line at a time and would otherwise never learn it. ids: unk=0, bos=1, eos=2, no pad.
     """
-    import sentencepiece as spm
-
     sentences = iter(sentences)
     first = next(sentences, None)
     if first is None:

@@ -10,11 +10,12 @@ Everything else (norms, routers, gates) is replicated: rank 0's copy is used.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import torch
 
 from ..config import ModelConfig, RoutingConfig
+from ..model import build_model
 from ..parallel import ColumnParallelLinear, TensorParallelModule
 
 PREFIX = "model."
@@ -32,8 +33,6 @@ class StateDictAdapter:
     """Knows the full (TP=1) parameter layout of one model config; converts in both directions."""
 
     def __init__(self, model_cfg: ModelConfig, routing_cfg: RoutingConfig):
-        from ..model import build_model
-
         model = build_model(model_cfg, routing_cfg, device="meta")  # structure only, no memory
         state = model.state_dict(keep_vars=True)
         self.shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -61,12 +60,6 @@ class StateDictAdapter:
     def to_hf_name(key: str) -> str:
         return PREFIX + key
 
-    @staticmethod
-    def from_hf_name(name: str) -> str:
-        if not name.startswith(PREFIX):
-            raise KeyError(f"{name}: not a megaroute parameter name (expected the prefix {PREFIX!r})")
-        return name[len(PREFIX):]
-
     def merge(self, key: str, shards: list[torch.Tensor], source: str = "") -> torch.Tensor:
         """TP shards of one tensor -> the full tensor, checked against the model's shape."""
         where = f" ({source})" if source else ""
@@ -82,10 +75,3 @@ class StateDictAdapter:
             raise ValueError(f"{key}: shape {tuple(full.shape)} after merging {len(shards)} TP shard(s), expected "
                              f"{self.shapes[key]}{where} (a checkpoint of a different model config?)")
         return full
-
-    def to_hf(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for key, tensor in items:
-            yield self.to_hf_name(key), tensor
-
-    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.from_hf_name(k): v for k, v in state.items()}

@@ -25,9 +25,14 @@ import time
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
+from ..data import DataError
+from ..data.tokenizers import load_tokenizer
 from .adapter import StateDictAdapter
-from .reader import ConversionError, CheckpointSource, client_state, locate, materialize, rank_state_dicts
+from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
+from .reader import CheckpointSource, ConversionError, client_state, locate, merged_tensors
+from .tokenizer import copy_tokenizer_source, export_tokenizer
 
 HF_FILES = ("configuration_megaroute.py", "modeling_megaroute.py")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,9 +55,6 @@ def _plan_shards(adapter: StateDictAdapter, dtype: Optional[torch.dtype], max_by
 
 
 def _tokenizer(src: CheckpointSource, path: Optional[str]):
-    from ..data import DataError
-    from ..data.tokenizers import load_tokenizer
-
     where = path or src.config.data.output_dir
     try:
         return load_tokenizer(where)
@@ -61,42 +63,11 @@ def _tokenizer(src: CheckpointSource, path: Optional[str]):
                               "tokenizer file>)") from None
 
 
-def _checked_rank_state_dicts(src: CheckpointSource, adapter: StateDictAdapter) -> list[dict]:
-    """Each model-parallel rank's (lazy) state dict, names checked before any tensor is read."""
-    ranks = rank_state_dicts(src)
-    for r, sd in enumerate(ranks):
-        if adapter.tied and "embed.weight" in sd:
-            sd.setdefault("lm_head.weight", sd["embed.weight"])  # ZeRO-3 stores a tied tensor once
-        missing = [k for k in adapter.keys() if k not in sd]
-        unexpected = [k for k in sd if k not in adapter.shapes]
-        if missing or unexpected:
-            raise ConversionError(f"{src.tag_dir} (model-parallel rank {r}) does not match the run's config: "
-                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return ranks
-
-
-def _merged(adapter: StateDictAdapter, ranks: list[dict], key: str, src: CheckpointSource) -> torch.Tensor:
-    try:
-        return adapter.merge(key, [materialize(sd[key]) for sd in ranks], src.tag_dir)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
-
-
-def full_state_dict(path: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """megaroute's TP=1 state dict of a checkpoint of any ZeRO stage and TP degree, in memory
-    (for analysis and tests; `convert` streams the same tensors to disk instead)."""
-    src = locate(path, tag)
-    adapter = StateDictAdapter(src.config.model, src.config.routing)
-    ranks = _checked_rank_state_dicts(src, adapter)
-    return {key: _merged(adapter, ranks, key, src).clone() for key in adapter.keys()}
-
-
 def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
                    max_bytes: int, progress: bool) -> dict:
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
-    ranks = _checked_rank_state_dicts(src, adapter)
+    tensors_in_order = merged_tensors(src, adapter)  # adapter.keys() order, which the plan keeps
     plan = _plan_shards(adapter, dtype, max_bytes)
     names = (["model.safetensors"] if len(plan) == 1 else
              [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
@@ -105,7 +76,8 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
     for name, keys in zip(names, plan):
         tensors = {}
         for key in keys:
-            full = _merged(adapter, ranks, key, src)
+            merged_key, full = next(tensors_in_order)
+            assert merged_key == key
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             # A fresh, contiguous tensor: safetensors refuses shared storage (tied embedding/LM head).
@@ -126,7 +98,6 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
 def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str, dtype: torch.dtype) -> None:
     from transformers import GenerationConfig
 
-    from .configuration_megaroute import MegarouteConfig
 
     for f in HF_FILES:
         shutil.copyfile(os.path.join(os.path.dirname(__file__), f), os.path.join(out, f))
@@ -148,9 +119,6 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
             dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> str:
     """Converts one checkpoint; returns the output directory."""
-    from .configuration_megaroute import ROUTING_MODES
-    from .tokenizer import copy_tokenizer_source, export_tokenizer
-
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise ConversionError(f"{out} already exists; pass --force to replace it")
@@ -199,7 +167,8 @@ def add_parser(subparsers) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run dir, checkpoints dir (uses `latest`) or checkpoint tag dir")
+    p.add_argument("checkpoint", help="run dir, checkpoints dir (uses `latest`), checkpoint tag dir or model-states "
+                                      "file (its tag dir)")
     p.add_argument("output", help="Hugging Face model directory to create")
     p.add_argument("--tag", help="checkpoint tag, e.g. step_00001000 (default: `latest`)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")

@@ -121,7 +121,12 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
                 if cache is None:  # a throwaway cache: the cached path is the one that masks keys
                     cache = self.model.new_cache()
-        out = self.model(input_ids, routing_mode=mode, positions=position_ids, cache=cache, key_mask=key_mask)
+        from megaroute.model import (
+            ForwardOptions,  # remote code: megaroute loads lazily (see __init__)
+        )
+
+        out = self.model(input_ids, options=ForwardOptions(mode=mode, positions=position_ids, cache=cache,
+                                                           key_mask=key_mask))
         logits = self.model.gather_logits(out.logits)
         loss = None
         if labels is not None:  # HF convention: labels aligned with input_ids, shifted here

@@ -1,4 +1,6 @@
-"""Finding a megaroute checkpoint and reading its DeepSpeed files, one model-parallel rank at a time.
+"""Reading a megaroute checkpoint's DeepSpeed files, one model-parallel rank at a time, and merging
+them into the TP=1 state dict (the converter streams it to disk; the audit loads it). Which
+checkpoint a path names is decided by `train.checkpoint.resolve_checkpoint`.
 
     runs/<name>/config.yaml                     resolved config (model + routing sections rebuild the model)
     runs/<name>/checkpoints/latest              tag of the newest committed checkpoint
@@ -28,9 +30,9 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, load_config
-from ..train.checkpoint import LATEST, MANIFEST, TAG_RE
+from ..train.checkpoint import MANIFEST, MODEL_STATES, CheckpointError, resolve_checkpoint
+from .adapter import StateDictAdapter
 
-MODEL_STATES = "mp_rank_{:02d}_model_states.pt"
 # A bf16 engine prefixes its optimizer partitions: bf16_zero_pp_rank_D_mp_rank_XX_optim_states.pt.
 ZERO3_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 
@@ -52,49 +54,6 @@ class CheckpointSource:
         return os.path.basename(self.tag_dir)
 
 
-def _find_config(tag_dir: str) -> Optional[str]:
-    """The run's config.yaml: runs/<name>/config.yaml above runs/<name>/<checkpoint.dir>/<tag>."""
-    d = os.path.abspath(tag_dir)
-    for _ in range(3):
-        d = os.path.dirname(d)
-        if os.path.isfile(os.path.join(d, "config.yaml")):
-            return os.path.join(d, "config.yaml")
-    return None
-
-
-def _resolve_tag_dir(path: str, tag: Optional[str]) -> str:
-    if not os.path.exists(path):
-        raise ConversionError(f"{path}: no such file or directory")
-    if not os.path.isdir(path):
-        raise ConversionError(f"{path}: expected a run directory, a checkpoints directory or a checkpoint tag directory")
-    if tag is None and _has_weights(path):
-        return path
-    for root in (path, os.path.join(path, "checkpoints")):
-        if not os.path.isdir(root):
-            continue
-        if tag is not None:
-            if os.path.isdir(os.path.join(root, tag)):
-                return os.path.join(root, tag)
-            continue
-        latest = os.path.join(root, LATEST)
-        if os.path.isfile(latest):
-            with open(latest) as f:
-                name = f.read().strip()
-            if not os.path.isdir(os.path.join(root, name)):
-                raise ConversionError(f"{latest} names tag {name!r}, which does not exist in {root}")
-            return os.path.join(root, name)
-    if tag is not None:
-        roots = [r for r in (path, os.path.join(path, "checkpoints")) if os.path.isdir(r)]
-        known = sorted(n for r in roots for n in os.listdir(r) if TAG_RE.match(n))
-        raise ConversionError(f"unknown checkpoint tag {tag!r} in {path} (available: {', '.join(known) or 'none'})")
-    raise ConversionError(f"{path} is not a megaroute checkpoint: no DeepSpeed model files, no `{LATEST}` "
-                          "and no checkpoints/ directory")
-
-
-def _has_weights(d: str) -> bool:
-    return any(n.endswith("_model_states.pt") for n in os.listdir(d))
-
-
 def _check_manifest(tag_dir: str) -> None:
     """Cheap integrity check against the commit manifest (presence and sizes; hashes are left to resume)."""
     path = os.path.join(tag_dir, MANIFEST)
@@ -112,9 +71,14 @@ def _check_manifest(tag_dir: str) -> None:
 
 
 def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = None) -> CheckpointSource:
-    """Resolves `path` (run dir, checkpoints dir or tag dir; `tag` picks one) and checks its shards."""
-    tag_dir = _resolve_tag_dir(path, tag)
-    config_path = config_path or _find_config(tag_dir)
+    """Resolves `path` (run dir, checkpoints dir, tag dir or model-states file; `tag` picks one; see
+    `resolve_checkpoint`) and checks its shards."""
+    try:
+        where = resolve_checkpoint(path, tag)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    tag_dir = where.tag_dir
+    config_path = config_path or where.config
     if config_path is None:
         raise ConversionError(f"{tag_dir}: no config.yaml in the run directory above it (not a megaroute run?); "
                               "pass --config")
@@ -203,3 +167,35 @@ def _zero3_rank(src: CheckpointSource, mp: int) -> dict:
 def materialize(t) -> torch.Tensor:
     """A stored tensor or a DeepSpeed lazy GatheredTensor -> a real tensor."""
     return t if isinstance(t, torch.Tensor) else t.contiguous()
+
+
+def _checked_rank_state_dicts(src: CheckpointSource, adapter: StateDictAdapter) -> list[dict]:
+    """Each model-parallel rank's (lazy) state dict, names checked before any tensor is read."""
+    ranks = rank_state_dicts(src)
+    for r, sd in enumerate(ranks):
+        if adapter.tied and "embed.weight" in sd:
+            sd.setdefault("lm_head.weight", sd["embed.weight"])  # ZeRO-3 stores a tied tensor once
+        missing = [k for k in adapter.keys() if k not in sd]
+        unexpected = [k for k in sd if k not in adapter.shapes]
+        if missing or unexpected:
+            raise ConversionError(f"{src.tag_dir} (model-parallel rank {r}) does not match the run's config: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return ranks
+
+
+def merged_tensors(src: CheckpointSource, adapter: StateDictAdapter):
+    """(key, full TP=1 tensor) for every tensor of the model, one at a time: TP shards merged, ZeRO-3
+    partitions reassembled. Every rank's names are checked before the first tensor is read."""
+    ranks = _checked_rank_state_dicts(src, adapter)
+    for key in adapter.keys():
+        try:
+            yield key, adapter.merge(key, [materialize(sd[key]) for sd in ranks], src.tag_dir)
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
+
+
+def full_state_dict(src: CheckpointSource) -> dict[str, torch.Tensor]:
+    """megaroute's TP=1 state dict of a checkpoint of any ZeRO stage and TP degree, in memory (the
+    audit, tests; `convert` streams the same tensors to disk instead)."""
+    adapter = StateDictAdapter(src.config.model, src.config.routing)
+    return {key: full.clone() for key, full in merged_tensors(src, adapter)}

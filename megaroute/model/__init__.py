@@ -1,5 +1,5 @@
-"""Dense decoder-only transformer pieces; routed layers live in megaroute.routing."""
+"""Dense decoder-only transformer pieces; routed layers live in megaroute.model.routing."""
 
-from .transformer import DTYPES, ModelOutput, Transformer, build_model
+from .transformer import DTYPES, ForwardOptions, ModelOutput, Transformer, build_model
 
-__all__ = ["DTYPES", "ModelOutput", "Transformer", "build_model"]
+__all__ = ["DTYPES", "ForwardOptions", "ModelOutput", "Transformer", "build_model"]

@@ -50,11 +50,24 @@ class TransformerBlock(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    # The named pieces of `update`; routed layers that split the block (the depth gate) use them.
+    def attn_update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    pos: Optional[Positions] = None) -> torch.Tensor:
+        """Attention's residual update of x (pre-norm, residual not added)."""
+        return self.attn(self.attn_norm(x), cos, sin, pos)
+
+    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the MLP reads: the normed hidden state after attention (per token)."""
+        return self.mlp_norm(h)
+
+    def mlp_update(self, u: torch.Tensor) -> torch.Tensor:
+        """The MLP's residual update from its input u = mlp_input(h)."""
+        return self.mlp(u)
+
     def _update(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos: Optional[Positions] = None) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), cos, sin, pos)
-        m = self.mlp(self.mlp_norm(x + a))
-        return a + m
+        a = self.attn_update(x, cos, sin, pos)
+        return a + self.mlp_update(self.mlp_input(x + a))
 
     def forward(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
         return x + self.update(x, pos)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from ..parallel.mappings import Group
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
+from .routing import DenseLayer, RoutingContext, build_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,12 +42,34 @@ class ModelOutput:
     decisions: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How one forward pass runs, beyond its tokens and targets.
+
+    mode: routing mode, "topk" (training: decides over the whole sequence, so it sees the future),
+    "causal" (evaluation and sampling: each token decides alone) or "hard" (causal, halting gates
+    really skip). Analysis hooks: `force` pins depth-gate paths by layer name ("layer_3": "cheap",
+    "*": "full"); `masks` replaces routed layers' decisions ([B, T] bool, True = executes);
+    `record_decisions` returns each routed layer's decision in `ModelOutput.decisions`.
+    Decoding: `cache` (a KVCache from `Transformer.new_cache()`) continues the cached sequence at
+    position `cache.seen`, each layer appending the keys/values of the tokens it ran; `positions`
+    overrides the RoPE positions [B, T]; `key_mask` ([B, T] bool, with a cache) marks padding
+    (False): those tokens never become keys.
+    """
+
+    mode: str = "topk"
+    force: Mapping[str, str] = field(default_factory=dict)
+    masks: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    record_decisions: bool = False
+    cache: Optional[KVCache] = None
+    positions: Optional[torch.Tensor] = None
+    key_mask: Optional[torch.Tensor] = None
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, routing: RoutingConfig, tp_group: Group = None,
                  activation_checkpointing: bool = False):
         super().__init__()
-        from ..routing import build_layer  # routing builds on model.block; import here avoids a cycle
-
         self.cfg = cfg
         self.tp_group = tp_group
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_group)
@@ -81,28 +104,12 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        targets: Optional[torch.Tensor] = None,
-        routing_mode: str = "topk",
-        positions: Optional[torch.Tensor] = None,
-        force: Optional[dict[str, str]] = None,
-        masks: Optional[dict[str, torch.Tensor]] = None,
-        record_decisions: bool = False,
-        cache: Optional[KVCache] = None,
-        key_mask: Optional[torch.Tensor] = None,
-    ) -> ModelOutput:
-        """Analysis hooks: `force` pins depth-gate paths by layer name ("layer_3": "cheap", "*": "full");
-        `masks` replaces routed layers' decisions ([B, T] bool, True = executes); `record_decisions`
-        returns each routed layer's decision in `ModelOutput.decisions`.
-
-        `cache` (a KVCache from `new_cache()`) decodes incrementally: `tokens` continue the cached
-        sequence at position `cache.seen`, and each layer appends the keys/values of the tokens it ran.
-        `key_mask` ([B, T] bool, with a cache) marks padding (False): those tokens never become keys.
-        """
-        from ..routing import RoutingContext
-
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                options: ForwardOptions = ForwardOptions()) -> ModelOutput:
+        """Logits (and, with targets, losses) for `tokens` [B, T]; `options` says how to route and
+        decode (see ForwardOptions)."""
+        o = options
+        routing_mode, cache, positions, key_mask = o.mode, o.cache, o.positions, o.key_mask
         B, T = tokens.shape
         start = 0 if cache is None else cache.seen
         if start + T > self.cfg.max_seq_len:
@@ -112,10 +119,10 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         if key_mask is not None and cache is None:
-            raise ValueError("key_mask (padding) needs the cached path: pass cache=model.new_cache()")
+            raise ValueError("key_mask (padding) needs the cached path: pass ForwardOptions(cache=model.new_cache())")
         pos = Positions(self.rope, positions, valid=key_mask)
-        ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(force or {}), masks=dict(masks or {}),
-                             record=record_decisions)
+        ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(o.force), masks=dict(o.masks),
+                             record=o.record_decisions)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
         ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
@@ -146,8 +153,6 @@ class Transformer(nn.Module):
         return KVCache(len(self.layers))
 
     def _check_cacheable(self, routing_mode: str, targets: Optional[torch.Tensor]) -> None:
-        from ..routing import DenseLayer
-
         routed = any(not isinstance(layer, DenseLayer) for layer in self.layers)
         if routed and routing_mode == "topk":
             # Top-k ranks a token against later ones: a prefix's decisions change as tokens arrive.
@@ -166,8 +171,6 @@ class Transformer(nn.Module):
 
         Routed layers decide as in training ("topk"), except where `force` pins a path.
         """
-        from ..routing import RoutingContext
-
         ctx = RoutingContext(mode="topk", force=force)
         for i in range(start + 1, len(self.layers)):
             x = self.layers[i](x, pos, ctx, f"layer_{i}")

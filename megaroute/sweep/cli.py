@@ -17,6 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..config import load_config
+from ..train.tracking import default_uri
+from . import report
+from .plan import format_table, plan, pretrain_command
+from .spec import load_spec
+from .mlflow_runs import open_parent_run, require_server_uri
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,9 +55,6 @@ def add_parser(sub) -> None:
 
 
 def _load(args):
-    from .plan import plan
-    from .spec import load_spec
-
     spec = load_spec(args.spec)
     return spec, plan(spec, tuple(args.overrides), getattr(args, "parent_run", None))
 
@@ -63,8 +67,6 @@ def _array_command(spec, n: int, overrides, max_parallel=None, parent: str = "<p
 
 
 def run_plan(args) -> int:
-    from .plan import format_table, pretrain_command
-
     spec, points = _load(args)
     print(format_table(points))
     if args.dry_run:
@@ -88,17 +90,12 @@ def run_point(args) -> int:
 
 def _tracking(points) -> tuple[str, str, str]:
     """(tracking URI, experiment, default analysis directory), the same for every point."""
-    from ..config import load_config
-    from ..train.tracking import default_uri
-
     cfg = load_config(points[0].config_path, points[0].overrides)
     return (cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment,
             os.path.abspath(os.path.join(cfg.runs_dir, "analysis")))
 
 
 def run_submit(args) -> int:
-    from .tracking import open_parent_run, require_server_uri
-
     spec, points = _load(args)
     uri, experiment, out_dir = _tracking(points)
     require_server_uri(uri, spec.path)
@@ -128,8 +125,6 @@ def _sbatch(cmd: list[str]) -> str:
 
 
 def run_analyze(args) -> int:
-    from . import report
-
     spec, points = _load(args)
     uri, experiment, default_out = _tracking(points)
     out = args.out or default_out

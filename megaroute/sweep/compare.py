@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 
+from ..train.tracking import default_uri
+from .mlflow_runs import find_runs, metric_history
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="overlay the metric curves of chosen MLflow runs")
@@ -23,9 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..train.tracking import default_uri
-    from .tracking import find_runs, metric_history
-
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri("runs")
     metrics = args.metric or ["train/loss", "val/loss"]
     runs = find_runs(uri, args.experiment, args.runs)

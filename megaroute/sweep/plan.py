@@ -16,6 +16,8 @@ import shlex
 from dataclasses import dataclass
 
 from ..config import Config, load_config
+from ..flops import flops_per_token, peak_flops
+from ..model import build_model
 from .spec import SweepSpec, SweepSpecError
 
 # Tags every sweep run carries; `sweep analyze` groups by them.
@@ -70,15 +72,11 @@ def _tag_overrides(tags: dict[str, str]) -> list[str]:
 
 
 def _count_params(cfg: Config) -> int:
-    from ..model import build_model
-
     return build_model(cfg.model, cfg.routing, device="meta").num_params()
 
 
 def plan(spec: SweepSpec, extra_overrides: tuple[str, ...] = (), parent_run_id: str | None = None) -> list[Point]:
     """All points of the sweep; raises SweepSpecError naming the first point that cannot meet its budget."""
-    from ..flops import flops_per_token, peak_flops
-
     peak = peak_flops(spec.gpu)
     cache: dict[tuple[str, str], tuple[Config, int, float]] = {}
     points = []

@@ -6,7 +6,7 @@ import math
 import os
 
 from . import analyze as A
-from .tracking import CAUSAL_LOSS, TOPK_LOSS, log_artifacts, sweep_runs
+from .mlflow_runs import CAUSAL_LOSS, TOPK_LOSS, log_artifacts, sweep_runs
 
 
 def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: str = "causal") -> list[str]:

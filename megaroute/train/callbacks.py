@@ -8,6 +8,7 @@ import os
 import time
 from typing import Optional
 
+from ..model.routing import average_causal_thresholds
 from .checkpoint import CheckpointManager
 from .loop import Callback, Trainer
 from .tracking import MLflowTracker
@@ -43,8 +44,6 @@ class RoutingStateSync(Callback):
     group after each step; registered first, so evaluation and checkpoints see the synced values."""
 
     def __init__(self, model, dp_group):
-        from ..routing import average_causal_thresholds
-
         self.model, self.group, self.sync = model, dp_group, average_causal_thresholds
 
     def on_step_end(self, trainer: Trainer, metrics: dict) -> None:

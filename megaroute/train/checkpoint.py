@@ -1,7 +1,8 @@
 """Checkpoints on top of DeepSpeed's save/load, with a commit protocol and integrity checks.
 
-    <root>/step_00000100/   DeepSpeed files, rank_XXXXX.pt (per-rank RNG), manifest.json
-    <root>/latest           tag of the newest committed checkpoint
+    <run>/config.yaml               the run's resolved config
+    <root>/step_00000100/           DeepSpeed files, rank_XXXXX.pt (per-rank RNG), manifest.json
+    <root>/latest                   tag of the newest committed checkpoint      (root: <run>/checkpoints)
 
 Commit: every rank writes its files -> barrier -> rank 0 hashes every file into
 manifest.json (written atomically) -> rank 0 moves `latest` (atomically) -> barrier.
@@ -9,6 +10,10 @@ A tag without a manifest was never committed. On load the manifest is verified (
 sha256); a corrupt or incomplete checkpoint is reported and the previous good one is used. When
 checkpoints exist but none is intact, resuming stops with an error naming them rather than
 starting over on top of them.
+
+`resolve_checkpoint` is the one place a user-given checkpoint path (run directory, checkpoints
+directory, tag directory or model-states file) is turned into a checkpoint: resume, init_from, the
+converter and the audit all go through it.
 """
 
 from __future__ import annotations
@@ -21,17 +26,22 @@ import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..hashing import sha256_file
-from ..parallel import collectives
+from ..model.routing import is_controller_param
+from ..parallel import collectives, shard_full_state_dict
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TAG_RE = re.compile(r"^step_(\d+)$")
+MODEL_STATES = "mp_rank_{:02d}_model_states.pt"  # DeepSpeed's weights file of one TP rank (ZeRO 0-2)
+CHECKPOINTS = "checkpoints"  # checkpoint.dir's default: where a run directory keeps its checkpoints
 
 
 class CheckpointError(RuntimeError):
@@ -133,6 +143,137 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def read_latest(root: str) -> Optional[str]:
+    """What <root>/latest says (stripped), or None when there is no readable `latest`."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def resume_tag(resume: str) -> str:
+    """An explicit checkpoint.resume names its checkpoint by the last path component: a tag, or a
+    path to a tag directory (looked up under the run's checkpoint.dir either way)."""
+    return os.path.basename(os.path.normpath(resume))
+
+
+# ---------------------------------------------------------------- resolving a checkpoint path
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    """One checkpoint on disk: <root>/<tag>, below the run directory that holds config.yaml."""
+
+    root: str
+    tag: str
+    model_file: Optional[str] = None  # the model-states file the path named, when it named one
+
+    @property
+    def tag_dir(self) -> str:
+        return os.path.join(self.root, self.tag)
+
+    @property
+    def model_states(self) -> str:
+        """TP rank 0's model-states file (ZeRO 0-2 keep the full weights of that rank there)."""
+        return self.model_file or os.path.join(self.tag_dir, MODEL_STATES.format(0))
+
+    @property
+    def config(self) -> Optional[str]:
+        """The run's config.yaml: runs/<name>/config.yaml above runs/<name>/<checkpoint.dir>/<tag>."""
+        d = os.path.abspath(self.tag_dir)
+        for _ in range(3):
+            d = os.path.dirname(d)
+            if os.path.isfile(os.path.join(d, "config.yaml")):
+                return os.path.join(d, "config.yaml")
+        return None
+
+
+def _holds_weights(d: str) -> bool:
+    return any(n.endswith("_model_states.pt") for n in os.listdir(d))
+
+
+def _at(tag_dir: str, model_file: Optional[str] = None) -> CheckpointPath:
+    root, tag = os.path.split(os.path.normpath(tag_dir))
+    return CheckpointPath(root, tag, model_file)
+
+
+def resolve_checkpoint(path: str, tag: Optional[str] = None) -> CheckpointPath:
+    """A run directory (its checkpoints/), a checkpoints directory, a checkpoint tag directory or a
+    model-states file -> that checkpoint. In a run or checkpoints directory `tag` picks one (default:
+    the one `latest` names). Existence only: see `verify` for integrity. Raises CheckpointError."""
+    if not os.path.exists(path):
+        if tag is not None:
+            raise CheckpointError(f"no checkpoint {tag!r} in {path} (that directory does not exist)")
+        raise CheckpointError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        return _at(os.path.dirname(os.path.abspath(path)), path)
+    if tag is None and _holds_weights(path):
+        return _at(path)
+    roots = [r for r in (path, os.path.join(path, CHECKPOINTS)) if os.path.isdir(r)]
+    for root in roots:
+        if tag is not None:
+            if tag and os.path.isdir(os.path.join(root, tag)):
+                return _at(os.path.join(root, tag))
+            continue
+        latest = read_latest(root)
+        if latest is not None:
+            if not latest or not os.path.isdir(os.path.join(root, latest)):
+                raise CheckpointError(f"{os.path.join(root, LATEST)} names tag {latest!r}, which does not exist "
+                                      f"in {root}")
+            return _at(os.path.join(root, latest))
+    if tag is not None:
+        found = sorted(n for r in roots for n in os.listdir(r) if TAG_RE.match(n))
+        have = f"checkpoints there: {', '.join(found)}" if found else "it holds no checkpoints"
+        raise CheckpointError(f"no checkpoint {tag!r} in {path} ({have})")
+    raise CheckpointError(f"{path} is not a megaroute checkpoint: no DeepSpeed model files, no `{LATEST}` and no "
+                          f"{CHECKPOINTS}/ directory")
+
+
+# ---------------------------------------------------------------- checkpoint.init_from
+
+
+def init_from_file(path: str) -> str:
+    """checkpoint.init_from (any path `resolve_checkpoint` takes) -> TP rank 0's model-states file."""
+    try:
+        found = resolve_checkpoint(path).model_states
+    except CheckpointError as e:
+        problem = str(e)
+    else:
+        if os.path.isfile(found):
+            return found
+        problem = f"{found} does not exist"
+    raise ConfigError("checkpoint.init_from", f"no model weights at {path!r}: {problem} (expected a model-states "
+                                              ".pt file, a checkpoint directory, or a run directory with checkpoints)")
+
+
+def load_init_weights(model: torch.nn.Module, path: str, controller_only: bool = False) -> None:
+    """Loads model weights from a model-states file (strict=False: a routed model has controller
+    modules a dense checkpoint lacks). Every base parameter must be present: a silently random base
+    would make controller-only training meaningless."""
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
+    weights = state.get("module", state)
+    if not weights:
+        raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
+                                                  "it with DeepSpeed's zero_to_fp32 first)")
+    try:  # a tensor-parallel model keeps its slice of each full (single-process) tensor
+        weights = shard_full_state_dict(model, weights)
+    except ValueError as e:
+        raise ConfigError("checkpoint.init_from", f"{path}: {e}; init_from needs a checkpoint saved with "
+                                                  "parallel.tp=1") from None
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected:
+        raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")
+    params = dict(model.named_parameters())
+    base_missing = [k for k in missing if k in params and not is_controller_param(k)]
+    if base_missing:
+        raise ConfigError("checkpoint.init_from", f"{path} lacks base weights {base_missing[:5]}"
+                          + (" (controller-only training would train on a random base)" if controller_only else ""))
+
+
+# ---------------------------------------------------------------- saving and resuming
+
+
 class CheckpointManager:
     def __init__(self, root: str, keep_last: int, rank: int):
         self.root = root
@@ -152,13 +293,8 @@ class CheckpointManager:
 
     def latest_tag(self) -> Optional[str]:
         """The tag `latest` names; None when there is none (or it is not one of our tags)."""
-        path = os.path.join(self.root, LATEST)
-        try:
-            with open(path) as f:
-                tag = f.read().strip()
-        except OSError:
-            return None
-        return tag if TAG_RE.match(tag) else None
+        tag = read_latest(self.root)
+        return tag if tag is not None and TAG_RE.match(tag) else None
 
     def _committed(self, tag: str) -> bool:
         return os.path.isfile(os.path.join(self.root, tag, MANIFEST))
@@ -223,7 +359,7 @@ class CheckpointManager:
 
     def _choose(self, explicit: Optional[str]) -> Optional[str]:
         if explicit:
-            tag = os.path.basename(os.path.normpath(explicit))
+            tag = resume_tag(explicit)
             problems = verify(os.path.join(self.root, tag))
             for p in problems:
                 warnings.warn(f"checkpoint {tag}: {p}", stacklevel=2)

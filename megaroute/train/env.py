@@ -11,6 +11,9 @@ import socket
 import sys
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 # DeepSpeed's CPU all-reduce (deepspeed/ops/csrc/cpu/comm/shm.cpp) maps one buffer per local rank,
 # named from the uid and the rendezvous address; it never unlinks them.
 SHM_DIR = "/dev/shm"
@@ -33,8 +36,6 @@ class DistEnv:
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -73,8 +74,6 @@ def detect_env() -> DistEnv:
 
 def release(env: DistEnv) -> None:
     """Ends an in-process run: destroys the process group and removes the variables detect_env added."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     unlink_shm_buffer(env)  # normally gone already (see unlink_shm_buffer); this covers a failed start

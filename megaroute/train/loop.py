@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -9,6 +10,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..data.loader import PackedDataset, SequenceLoader
+from ..model import ForwardOptions
 from ..parallel import collectives
 
 
@@ -138,3 +141,44 @@ class Trainer:
             **probed,
         }
         return metrics, n_stop > 0
+
+
+class Evaluator:
+    """Mean validation loss over a fixed set of batches in each routing mode of the method, plus
+    the token-layer operations executed (TLOps) and full-path fraction where the method has them.
+
+    `modes`: metric suffix -> routing mode (`eval_modes(method)`). Every call reads the same
+    batches: each data-parallel rank its own share of them, `batches` micro-batches per mode."""
+
+    def __init__(self, engine, val_set: PackedDataset, modes: dict[str, str], *, batches: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.engine, self.val_set, self.modes, self.batches = engine, val_set, modes, batches
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        engine, mb = self.engine, self.micro_batch_size
+        as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=engine.device)
+        engine.eval()
+        out = {}
+        for suffix, mode in self.modes.items():
+            batches = iter(SequenceLoader(self.val_set, mb, mb * self.dp_size, self.dp_rank, self.dp_size, seed=0))
+            # Sums stay on the device; one collective (on the engine's device) and one host copy per mode.
+            sums: dict[str, torch.Tensor] = {}
+            for _ in range(self.batches):
+                x, y = next(batches)
+                result = engine(x.to(engine.device), y.to(engine.device), options=ForwardOptions(mode=mode))
+                stats = result.routing_stats
+                full = [as_t(v) for k, v in stats.items() if k.endswith("/full_frac")]
+                for key, value in (("loss", result.lm_loss), ("tlops_frac", stats.get("tlops_frac")),
+                                   ("full_frac", torch.stack(full).mean() if full else None)):
+                    if value is not None:
+                        sums[key] = sums[key] + as_t(value) if key in sums else as_t(value)
+            keys = sorted(sums)
+            means = collectives.all_reduce(torch.stack([sums[k] for k in keys]) / self.batches, engine.device)
+            means = (means / collectives.world_size()).tolist()
+            out.update({f"val/{k}{suffix}": v for k, v in zip(keys, means)})
+        if "val/loss_hard" in out:
+            out["val/soft_hard_gap"] = out["val/loss_hard"] - out["val/loss"]
+        engine.train()
+        return out

@@ -7,25 +7,37 @@ starts, so a bad run fails in seconds with a message naming the key or file.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
 import socket
 import subprocess
 import sys
-import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
+from ..data import INDEX_FILE, DataError
+from ..data.loader import PackedDataset, SequenceLoader
+from ..data.prepare import preflight, prepare
+from ..data.tokenizers import load_tokenizer
+from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
+from ..model import build_model
+from ..model.routing import freeze_base, is_controller_param, method_spec
+from ..model.routing.context import eval_modes
 from ..parallel import ParallelLayout, collectives
-from .checkpoint import CheckpointError
+from . import engine as ds
+from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
+                        SpeedMeter)
+from .checkpoint import (CheckpointError, CheckpointManager, init_from_file, load_init_weights,
+                         resolve_checkpoint, resume_tag)
 from .env import DistEnv, detect_env, release
+from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
+from .tracking import MLflowTracker, default_uri
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -58,8 +70,6 @@ def _seed_everything(seed: int) -> None:
 
 def _peak_flops(cfg: Config, env: DistEnv) -> float:
     """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak."""
-    from ..flops import peak_flops
-
     if cfg.train.peak_flops:
         return cfg.train.peak_flops
     if env.device == "cpu":
@@ -83,10 +93,6 @@ def check_data(cfg: Config):
     reported as a missing prepared directory (naming data.output_dir) that cannot be prepared
     (naming data.source and the file). Returns None.
     Raises DataError (exit 2)."""
-    from ..data import INDEX_FILE, DataError
-    from ..data.loader import PackedDataset
-    from ..data.prepare import preflight
-
     out = cfg.data.output_dir
     if not os.path.isfile(os.path.join(out, INDEX_FILE)):
         try:
@@ -103,131 +109,149 @@ def check_data(cfg: Config):
 
 def check_resume_tag(cfg: Config) -> None:
     """An explicit checkpoint.resume (not auto/none) must name an existing checkpoint directory under
-    <run_dir>/<checkpoint.dir>; it is looked up by its last path component, as `CheckpointManager`
-    does. Existence only: the manifest and checksums are verified after the process group starts."""
-    from .checkpoint import TAG_RE
-
-    resume = cfg.checkpoint.resume
-    if resume in ("auto", "none"):
+    <run_dir>/<checkpoint.dir>, looked up as `CheckpointManager` does (`resume_tag`). Existence only:
+    the manifest and checksums are verified after the process group starts."""
+    if cfg.checkpoint.resume in ("auto", "none"):
         return
-    root = os.path.join(cfg.run_dir, cfg.checkpoint.dir)
-    tag = os.path.basename(os.path.normpath(resume))
-    if tag and os.path.isdir(os.path.join(root, tag)):
-        return
-    found = sorted(n for n in os.listdir(root) if TAG_RE.match(n)) if os.path.isdir(root) else []
-    have = f"checkpoints there: {', '.join(found)}" if found else ("it holds no checkpoints" if os.path.isdir(root)
-                                                                    else "that directory does not exist")
-    raise ConfigError("checkpoint.resume", f"no checkpoint {tag!r} in {root} ({have}); use a tag listed there, "
-                                           "'auto' (the latest intact one) or 'none' (start fresh)")
+    try:
+        resolve_checkpoint(os.path.join(cfg.run_dir, cfg.checkpoint.dir), tag=resume_tag(cfg.checkpoint.resume))
+    except CheckpointError as e:
+        raise ConfigError("checkpoint.resume", f"{e}; use a tag listed there, 'auto' (the latest intact one) or "
+                                               "'none' (start fresh)") from None
 
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
-    from ..flops import flops_per_token
-    from ..model import build_model
-    from . import engine as ds
-    from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter,
-                            RoutingStateSync, SpeedMeter)
-    from .checkpoint import CheckpointManager
-    from .loop import Trainer, TrainState
-
-    # ---- checks that need no process group ----
-    layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
+    layout, ds_config, init_path = _check(cfg, env)
+    _start(cfg, env, layout, ds_config)
+    train_set, val_set, tokenizer = _datasets(cfg)
+    model = _model(cfg, env, layout, init_path)
+    fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    total_steps = _total_steps(cfg, tokens_per_step, fpt)
+    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps, layout)
     dp_rank, dp_size = layout.dp_rank, layout.dp
-    ds_config = ds.deepspeed_config(cfg, dp_size)
+    # Per-DP-rank seeds after init: data-parallel replicas draw their own randomness, while the
+    # TP ranks of one replica share a stream, so replicated routing draws (random baselines,
+    # oracle-label sampling, rank-loss pairs) stay identical across them.
+    _seed_everything(cfg.train.seed + dp_rank)
+    loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
+                            cfg.data.seed)
+    manager = CheckpointManager(os.path.join(cfg.run_dir, cfg.checkpoint.dir), cfg.checkpoint.keep_last, env.rank)
+    state, summary, run_id = _resume(cfg, env, engine, manager, loader, tokenizer.hash)
+
+    stop = StopSignal().install()
+    watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
+    tracker = _make_tracker(cfg, env, run_id, tokenizer) if env.is_main else None
+    client_state = _client_state(cfg, state, loader, summary, tokenizer.hash, tracker)
+    evaluate = Evaluator(engine, val_set, eval_modes(cfg.routing.method), batches=cfg.train.eval_batches,
+                         micro_batch_size=cfg.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    trainer = Trainer(
+        engine, optimizer, iter(loader), evaluate,
+        total_steps=total_steps, accumulation=ds.grad_accumulation_steps(cfg, dp_size),
+        tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
+        max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop,
+        callbacks=_callbacks(cfg, env, layout, model, manager, summary, tracker, client_state), state=state,
+        count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
+        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), engine.device, layout.tp_group),
+        probe_interval=cfg.train.log_interval,
+    )
+    final = _fit(trainer, tracker, stop, watchdog)
+    if final.stop_reason == "nonfinite" and env.is_main:
+        print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
+              f"{cfg.train.max_nonfinite_steps}); the last good state is checkpointed in {manager.root}",
+              file=sys.stderr)
+    return EXIT_FOR_REASON[final.stop_reason]
+
+
+def _check(cfg: Config, env: DistEnv):
+    """The checks that need no process group -> (layout, DeepSpeed config, init_from weights file)."""
+    layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
+    ds_config = ds.deepspeed_config(cfg, layout.dp)
     check_data(cfg)
     check_resume_tag(cfg)
-    init_path = resolve_init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    init_path = init_from_file(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    return layout, ds_config, init_path
 
-    # ---- process group, data, model, engine ----
+
+def _start(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict) -> None:
+    """Process groups; rank 0 writes the run directory and prepares missing data while the others wait."""
     ds.init_distributed(env)
     layout.init_process_groups()
-    run_dir = cfg.run_dir
     if env.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-        with open(os.path.join(run_dir, "ds_config.json"), "w") as f:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+        with open(os.path.join(cfg.run_dir, "ds_config.json"), "w") as f:
             json.dump(ds_config, f, indent=1)
-        if not os.path.isfile(os.path.join(cfg.data.output_dir, "index.json")):
-            from ..data.prepare import prepare
-
+        if not os.path.isfile(os.path.join(cfg.data.output_dir, INDEX_FILE)):
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)
     collectives.barrier()
-    train_set, val_set, tokenizer = _datasets(cfg)
 
+
+def _model(cfg: Config, env: DistEnv, layout: ParallelLayout, init_path: Optional[str]):
     _seed_everything(cfg.train.seed)
     # Every rank draws the full weights from the same seed and keeps its TP slice.
     model = build_model(cfg.model, cfg.routing, tp_group=layout.tp_group,
                         activation_checkpointing=cfg.parallel.activation_checkpointing)
     if init_path:
-        _init_from(model, init_path, controller_only=cfg.train.controller_only)
+        load_init_weights(model, init_path, controller_only=cfg.train.controller_only)
     if cfg.train.controller_only:
-        from ..routing import freeze_base
-
         trainable = freeze_base(model)
         if env.is_main:
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"controller-only: training {n:,} of {model.num_params():,} parameters "
                   f"({len(trainable)} tensors)", flush=True)
-    fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
-    total_steps = _total_steps(cfg, tokens_per_step, fpt)
-    engine, optimizer, _ = ds.initialize(model, cfg, ds_config, total_steps, layout)
-    # Per-DP-rank seeds after init: data-parallel replicas draw their own randomness, while the
-    # TP ranks of one replica share a stream, so replicated routing draws (random baselines,
-    # oracle-label sampling, rank-loss pairs) stay identical across them.
-    _seed_everything(cfg.train.seed + dp_rank)
+    return model
 
-    from ..data.loader import SequenceLoader
 
-    loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
-                            cfg.data.seed)
-    state = TrainState()
-    summary = LossSummary(cfg.train.loss_thresholds)
-    resumed_run_id = None
-    ckpt_root = os.path.join(run_dir, cfg.checkpoint.dir)
-    manager = CheckpointManager(ckpt_root, cfg.checkpoint.keep_last, env.rank)
+def _resume(cfg: Config, env: DistEnv, engine, manager: CheckpointManager, loader: SequenceLoader,
+            tokenizer_hash: str) -> tuple[TrainState, LossSummary, Optional[str]]:
+    """checkpoint.resume: restores engine, loader and loss summary from a checkpoint when there is
+    one -> (train state, loss summary, the MLflow run id to continue)."""
+    state, summary = TrainState(), LossSummary(cfg.train.loss_thresholds)
+    if cfg.checkpoint.resume == "none":
+        return state, summary, None
+    tag = manager.find_resumable(None if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume)
+    if tag is None:
+        return state, summary, None
+    client = manager.load(engine, tag)
+    _check_resume_compat(client, config_hash(cfg), tokenizer_hash, tag)
+    state = TrainState(**{**client["train_state"], "stop_reason": None, "nonfinite_streak": 0})
+    loader.load_state_dict(client["loader"])
+    summary.load_state_dict(client.get("loss_summary", {}))
+    if env.is_main:
+        print(f"resumed from {os.path.join(manager.root, tag)} at step {state.step}", flush=True)
+    return state, summary, client.get("mlflow_run_id")
+
+
+def _client_state(cfg: Config, state: TrainState, loader: SequenceLoader, summary: LossSummary,
+                  tokenizer_hash: str, tracker: Optional[MLflowTracker]) -> Callable[[], dict]:
+    """What each checkpoint saves beside DeepSpeed's own state (`_resume` reads it back)."""
     chash = config_hash(cfg)
-    if cfg.checkpoint.resume != "none":
-        tag = manager.find_resumable(None if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume)
-        if tag is not None:
-            client = manager.load(engine, tag)
-            _check_resume_compat(client, chash, tokenizer.hash, tag)
-            state = TrainState(**{**client["train_state"], "stop_reason": None, "nonfinite_streak": 0})
-            loader.load_state_dict(client["loader"])
-            summary.load_state_dict(client.get("loss_summary", {}))
-            resumed_run_id = client.get("mlflow_run_id")
-            if env.is_main:
-                print(f"resumed from {os.path.join(ckpt_root, tag)} at step {state.step}", flush=True)
+    return lambda: {"train_state": state.state_dict(), "loader": loader.state_dict(), "config_hash": chash,
+                    "tokenizer_hash": tokenizer_hash, "mlflow_run_id": tracker.run_id if tracker else None,
+                    "loss_summary": summary.state_dict()}
 
-    def client_state() -> dict:
-        return {"train_state": state.state_dict(), "loader": loader.state_dict(), "config_hash": chash,
-                "tokenizer_hash": tokenizer.hash, "mlflow_run_id": tracker.run_id if tracker else None,
-                "loss_summary": summary.state_dict()}
 
-    stop = StopSignal().install()
-    watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
-    tracker = _make_tracker(cfg, env, resumed_run_id, tokenizer) if env.is_main else None
+def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager: CheckpointManager,
+               summary: LossSummary, tracker: Optional[MLflowTracker], client_state: Callable[[], dict]) -> list:
+    dp_size = layout.dp
     callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary]
-    if cfg.routing.method == "depth_gate" and dp_size > 1:
+    if method_spec(cfg.routing.method).syncs_state and dp_size > 1:
         callbacks.insert(0, RoutingStateSync(model, layout.get_data_parallel_group()))
     if env.is_main:
-        callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(run_dir, "metrics.jsonl"))]
+        callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))
     if tracker is not None:
         callbacks.append(MLflowLogger(tracker, cfg.train.log_interval))
+    return callbacks
 
-    trainer = Trainer(
-        engine, optimizer, iter(loader), lambda: _evaluate(engine, cfg, val_set, dp_rank, dp_size),
-        total_steps=total_steps, accumulation=ds.grad_accumulation_steps(cfg, dp_size),
-        tokens_per_step=tokens_per_step, flops_per_token=fpt, eval_interval=cfg.train.eval_interval,
-        max_nonfinite_steps=cfg.train.max_nonfinite_steps, stop_signal=stop, callbacks=callbacks, state=state,
-        count_overflow_as_nonfinite=cfg.train.precision != "fp16", exit_interval=cfg.train.exit_interval,
-        grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), engine.device, layout.tp_group),
-        probe_interval=cfg.train.log_interval,
-    )
+
+def _fit(trainer: Trainer, tracker: Optional[MLflowTracker], stop: StopSignal,
+         watchdog: LauncherWatchdog) -> TrainState:
+    """Runs the loop; a crash marks the MLflow run FAILED. Signal handlers and the watchdog end with it."""
     try:
-        final = trainer.fit()
+        return trainer.fit()
     except BaseException:
         if tracker is not None:
             tracker.close("FAILED", timeout=10)
@@ -235,16 +259,9 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     finally:
         watchdog.stop()
         stop.uninstall()
-    if final.stop_reason == "nonfinite" and env.is_main:
-        print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
-              f"{cfg.train.max_nonfinite_steps}); the last good state is checkpointed in {ckpt_root}", file=sys.stderr)
-    return EXIT_FOR_REASON[final.stop_reason]
 
 
 def _datasets(cfg: Config):
-    from ..data.loader import PackedDataset
-    from ..data.tokenizers import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.data.output_dir)
     kw = dict(seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size, tokenizer_hash=tokenizer.hash)
     return PackedDataset(cfg.data.output_dir, "train", **kw), PackedDataset(cfg.data.output_dir, "val", **kw), tokenizer
@@ -271,7 +288,6 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
 def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
     if not cfg.tracking.enabled:
         return None
-    from .tracking import MLflowTracker, default_uri
 
     tags = {"variant": cfg.variant, "size": cfg.size, "seed": str(cfg.train.seed), "git_commit": _git_commit(),
             "host": socket.gethostname(), "world_size": str(env.world_size), "routing": cfg.routing.method,
@@ -279,13 +295,12 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
             **({"slurm_array_job_id": os.environ["SLURM_ARRAY_JOB_ID"]} if "SLURM_ARRAY_JOB_ID" in os.environ else {}),
             **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
             **cfg.tracking.tags}
-    from ..flops import config_flops, training_proxy
 
     flops = config_flops(cfg)
     params = {**flatten(cfg), "flops.train_per_token": flops.per_token(training=True),
               "flops.inference_per_token": flops.per_token(training=False),
               "flops.train_proxy_vs_full": round(training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), 4)}
-    if cfg.train.controller_only and cfg.routing.method == "depth_gate":
+    if cfg.train.controller_only and method_spec(cfg.routing.method).frozen_base_flops:
         # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
         params["flops.train_executed_vs_full"] = round(
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
@@ -300,96 +315,11 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
 
 def _param_groups_by_role(model) -> dict[str, list]:
     """Trainable parameters split into the base model and the routing controller (for grad norms)."""
-    from ..routing import is_controller_param
-
     groups: dict[str, list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             groups.setdefault("controller" if is_controller_param(name) else "base", []).append(p)
     return groups
-
-
-@torch.no_grad()
-def _evaluate(engine, cfg: Config, val_set, dp_rank: int, dp_size: int) -> dict[str, float]:
-    """Mean validation loss over a fixed set of batches in each routing mode of the method, plus
-    the token-layer operations executed (TLOps) and full-path fraction where the method has them."""
-    from ..data.loader import SequenceLoader
-    from ..routing.context import eval_modes
-
-    mb = cfg.train.micro_batch_size
-    as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=engine.device)
-    engine.eval()
-    out = {}
-    for suffix, mode in eval_modes(cfg.routing.method).items():
-        loader = SequenceLoader(val_set, mb, mb * dp_size, dp_rank, dp_size, seed=0)
-        batches = iter(loader)
-        # Sums stay on the device; one collective (on the engine's device) and one host copy per mode.
-        sums: dict[str, torch.Tensor] = {}
-        for _ in range(cfg.train.eval_batches):
-            x, y = next(batches)
-            result = engine(x.to(engine.device), y.to(engine.device), routing_mode=mode)
-            stats = result.routing_stats
-            full = [as_t(v) for k, v in stats.items() if k.endswith("/full_frac")]
-            for key, value in (("loss", result.lm_loss), ("tlops_frac", stats.get("tlops_frac")),
-                               ("full_frac", torch.stack(full).mean() if full else None)):
-                if value is not None:
-                    sums[key] = sums[key] + as_t(value) if key in sums else as_t(value)
-        keys = sorted(sums)
-        means = collectives.all_reduce(torch.stack([sums[k] for k in keys]) / cfg.train.eval_batches, engine.device)
-        means = (means / collectives.world_size()).tolist()
-        out.update({f"val/{k}{suffix}": v for k, v in zip(keys, means)})
-    if "val/loss_hard" in out:
-        out["val/soft_hard_gap"] = out["val/loss_hard"] - out["val/loss"]
-    engine.train()
-    return out
-
-
-def resolve_init_from(path: str) -> str:
-    """checkpoint.init_from: a model-states file, a checkpoint tag directory, a checkpoints root
-    (its `latest`) or a run directory (its checkpoints/latest) -> the model-states file."""
-    from .checkpoint import LATEST
-
-    candidates = [path]
-    if os.path.isdir(path):
-        roots = [path, os.path.join(path, "checkpoints")]
-        for root in roots:
-            latest = os.path.join(root, LATEST)
-            if os.path.isfile(latest):
-                with open(latest) as f:
-                    candidates.append(os.path.join(root, f.read().strip()))
-        candidates = [os.path.join(c, "mp_rank_00_model_states.pt") for c in [path, *candidates[1:]]]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
-    raise ConfigError("checkpoint.init_from", f"no model weights at {path!r} (expected a model-states .pt "
-                                              "file, a checkpoint directory, or a run directory with checkpoints)")
-
-
-def _init_from(model, path: str, controller_only: bool = False) -> None:
-    """Loads model weights from a checkpoint (strict=False: a routed model has controller modules a
-    dense checkpoint lacks). Every base parameter must be present: a silently random base would
-    make controller-only training meaningless."""
-    from ..parallel import shard_full_state_dict
-    from ..routing import is_controller_param
-
-    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
-    weights = state.get("module", state)
-    if not weights:
-        raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
-                                                  "it with DeepSpeed's zero_to_fp32 first)")
-    try:  # a tensor-parallel model keeps its slice of each full (single-process) tensor
-        weights = shard_full_state_dict(model, weights)
-    except ValueError as e:
-        raise ConfigError("checkpoint.init_from", f"{path}: {e}; init_from needs a checkpoint saved with "
-                                                  "parallel.tp=1") from None
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected:
-        raise ConfigError("checkpoint.init_from", f"{path} has keys this model lacks: {unexpected[:5]}")
-    params = dict(model.named_parameters())
-    base_missing = [k for k in missing if k in params and not is_controller_param(k)]
-    if base_missing:
-        raise ConfigError("checkpoint.init_from", f"{path} lacks base weights {base_missing[:5]}"
-                          + (" (controller-only training would train on a random base)" if controller_only else ""))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -406,8 +336,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"pretrain: checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except Exception as e:
-        from ..data import DataError
-
         if isinstance(e, DataError):
             print(f"pretrain: data error: {e}", file=sys.stderr)
             return EXIT_CONFIG_ERROR

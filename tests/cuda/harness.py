@@ -32,7 +32,7 @@ METHODS = {  # name -> overrides on configs/tiny.yaml (+ FAST: 2 layers, block 1
     "halting": ("routing.method=halting", "routing.halting.penalty=0.01"),
     "early_exit": ("routing.method=early_exit",),
 }
-# Evaluation keys each method must log (megaroute.routing.context.eval_modes).
+# Evaluation keys each method must log (megaroute.model.routing.context.eval_modes).
 EVAL_KEYS = {"dense": ("val/loss",), "halting": ("val/loss", "val/loss_hard")}
 
 

@@ -1,7 +1,7 @@
 """Compiled Triton dispatch kernels on CUDA against the PyTorch references, forward and backward,
 in fp32, bf16 and fp16, and inside routed models; then the bandwidth benchmark's CUDA path.
 
-The parity helpers are tests/unit/test_kernels.py's (there, on a GPU machine, every test runs on
+The parity helpers are tests/unit/kernels/test_kernels.py's (there, on a GPU machine, every test runs on
 CUDA too; `-m cuda` selects only these and that file's own CUDA test).
 """
 
@@ -12,8 +12,9 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
+from megaroute.model import ForwardOptions
 
-from ..unit.test_kernels import TOL, _indices, _rand, _run
+from ..unit.kernels.test_kernels import TOL, _indices, _rand, _run
 
 pytestmark = pytest.mark.cuda
 
@@ -113,13 +114,13 @@ def _losses(make_model, overrides, dtype: str, steps: int = 3) -> torch.Tensor:
         opt.step()
         model.eval()
         with torch.no_grad():  # top-k, causal (ragged dispatch / single-path FFNs) and hard
-            rows.append([out.loss.item(), *(model(tokens, tokens, routing_mode=m).lm_loss.item()
+            rows.append([out.loss.item(), *(model(tokens, tokens, options=ForwardOptions(mode=m)).lm_loss.item()
                                             for m in ("topk", "causal", "hard"))])
     return torch.tensor(rows)
 
 
 ROUTED = {
-    "mod": ("routing.method=mod", "routing.capacity=0.25", "routing.gate=sigmoid"),
+    "mod": ("routing.method=mod", "routing.capacity=0.25", "routing.router_weight=sigmoid"),
     "depth_gate": ("routing.method=depth_gate",),
     "halting": ("routing.method=halting", "routing.halting.tau=0.85"),
     "early_exit": ("routing.method=early_exit", "routing.early_exit.threshold=0.5"),

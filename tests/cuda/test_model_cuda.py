@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaroute.routing.context import eval_modes
+from megaroute.model import ForwardOptions
+from megaroute.model.routing.context import eval_modes
 
 pytestmark = pytest.mark.cuda
 
@@ -76,8 +77,8 @@ def test_cuda_matches_cpu_in_every_mode(make_model, name):
     cpu.eval(), gpu.eval()
     with torch.no_grad():
         for mode in ("topk", "causal", "hard"):
-            want = cpu(x, y, routing_mode=mode)
-            got = gpu(x.cuda(), y.cuda(), routing_mode=mode)
+            want = cpu(x, y, options=ForwardOptions(mode=mode))
+            got = gpu(x.cuda(), y.cuda(), options=ForwardOptions(mode=mode))
             torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=1e-4, atol=1e-4, msg=mode)
             for key, value in want.routing_stats.items():
                 torch.testing.assert_close(got.routing_stats[key].cpu(), value, rtol=1e-4, atol=1e-4, msg=key)
@@ -113,7 +114,7 @@ def test_16_bit_training_step_and_evaluation_are_finite(make_model, name, precis
     model.eval()
     with torch.no_grad(), autocast:
         for suffix, mode in eval_modes(_method(name)).items():
-            assert torch.isfinite(model(x, y, routing_mode=mode).lm_loss), (suffix, mode)
+            assert torch.isfinite(model(x, y, options=ForwardOptions(mode=mode)).lm_loss), (suffix, mode)
 
 
 @pytest.mark.parametrize("name", ["dense", "mod", "depth_gate_mlp", "halting", "early_exit"])
@@ -144,10 +145,10 @@ def test_kv_cache_decoding_on_cuda_equals_the_full_forward(make_model, name, dty
     model.cuda().eval()
     x = torch.randint(0, cfg.model.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1)).cuda()
     mode = "hard" if name == "halting" else "causal"
-    full = model(x, routing_mode=mode).logits
+    full = model(x, options=ForwardOptions(mode=mode)).logits
     cache = model.new_cache()
-    parts = [model(x[:, :9], routing_mode=mode, cache=cache).logits]
-    parts += [model(x[:, t:t + 1], routing_mode=mode, cache=cache).logits for t in range(9, x.shape[1])]
+    parts = [model(x[:, :9], options=ForwardOptions(mode=mode, cache=cache)).logits]
+    parts += [model(x[:, t:t + 1], options=ForwardOptions(mode=mode, cache=cache)).logits for t in range(9, x.shape[1])]
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, **tol)
     assert cache.seen == x.shape[1] and cache.layers[0].k.is_cuda

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megaroute.config import load_config
-from megaroute.model import build_model
+from megaroute.model import ForwardOptions, build_model
 from megaroute.parallel import ParallelLayout
 from megaroute.train import engine as ds
 from megaroute.train.checkpoint import CheckpointManager
@@ -34,7 +34,7 @@ def main(run_dir: str, tokens_path: str, out_path: str) -> None:
     manager.load(engine, manager.latest_tag())
     engine.eval()
     with torch.no_grad():
-        logits = model.gather_logits(engine(torch.load(tokens_path), routing_mode="causal").logits)
+        logits = model.gather_logits(engine(torch.load(tokens_path), options=ForwardOptions(mode="causal")).logits)
     if env.rank == 0:
         torch.save(logits.float(), out_path)
     dist.barrier()

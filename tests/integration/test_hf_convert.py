@@ -1,4 +1,5 @@
-"""Checkpoints of real DeepSpeed jobs (ZeRO 1 and 3, TP 1 and 2) -> Hugging Face -> same logits.
+"""Checkpoints of real DeepSpeed jobs (ZeRO 1 and 3, TP 1 and 2) -> Hugging Face -> same logits;
+the audit's loader (the converter's reader, in memory) gives them too.
 
 Each run trains 2 steps on CPU ranks and checkpoints. The reference logits come from the same
 checkpoint loaded the way training resumes it (DeepSpeed engine + CheckpointManager.load, with the
@@ -60,8 +61,11 @@ def _convert(args):
 
 @pytest.mark.parametrize("name", list(RUNS))
 @torch.no_grad()
-def test_converted_logits_equal_deepspeed_checkpoint(runs, name, tmp_path):
+def test_converted_and_audit_loaded_logits_equal_deepspeed_checkpoint(runs, name, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megaroute.audit import load_run_model
+    from megaroute.model import ForwardOptions
 
     out = tmp_path / "hf"
     res = _convert([runs[name] / "checkpoints", out])  # `latest` of the checkpoints directory
@@ -72,6 +76,9 @@ def test_converted_logits_equal_deepspeed_checkpoint(runs, name, tmp_path):
     tokens = torch.tensor([tok(t)["input_ids"][:40] for t in text])
     reference = _reference_logits(runs[name], tokens, tmp_path)
     torch.testing.assert_close(hf(tokens).logits, reference, atol=1e-4, rtol=0)
+    audited, _ = load_run_model(str(runs[name]))  # TP shards merged / ZeRO-3 reassembled, as for `convert`
+    torch.testing.assert_close(audited(tokens, options=ForwardOptions(mode="causal")).logits, reference, atol=1e-4,
+                               rtol=0)
     if name.startswith("mod"):
         prompt = tokens[:1, :10]
         cached = hf.generate(prompt, max_new_tokens=24, do_sample=False)
@@ -84,4 +91,4 @@ def test_tag_argument_and_unknown_tag(runs, tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "launcher/convert_checkpoint.py"), str(run), str(tmp_path / "b"),
                           "--tag", "step_00000007"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1
-    assert "unknown checkpoint tag 'step_00000007'" in res.stderr and "step_00000002" in res.stderr
+    assert "no checkpoint 'step_00000007'" in res.stderr and "step_00000002" in res.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaroute.routing import is_controller_param
+from megaroute.model.routing import is_controller_param
 
 from .conftest import read_metrics
 

@@ -44,12 +44,12 @@ def final_parameters(run_dir) -> dict[str, torch.Tensor]:
     """The trained parameters (not buffers: DP ranks average the depth gate's running threshold
     per step, the single process per micro-batch) of a run's last checkpoint, at TP=1."""
     from megaroute.config import load_config
-    from megaroute.hf.convert import full_state_dict
+    from megaroute.hf.reader import full_state_dict, locate
     from megaroute.model import build_model
 
     cfg = load_config(str(run_dir / "config.yaml"))
     names = {n for n, _ in build_model(cfg.model, cfg.routing, device="meta").named_parameters()}
-    return {k: v for k, v in full_state_dict(str(run_dir / "checkpoints")).items() if k in names}
+    return {k: v for k, v in full_state_dict(locate(str(run_dir / "checkpoints"))).items() if k in names}
 
 
 @pytest.fixture(scope="module")

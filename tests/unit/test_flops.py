@@ -9,7 +9,6 @@ attention decomposes into counted bmm's.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import pytest
@@ -18,18 +17,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from megaroute.config import Config, DepthGateConfig, ModelConfig, ParallelConfig, RoutingConfig
-from megaroute.flops import (
-    COMPONENTS,
-    config_flops,
-    estimate_flops,
-    flops_per_token,
-    mfu,
-    peak_flops,
-    training_proxy,
-)
+from megaroute.flops import COMPONENTS, config_flops, estimate_flops, flops_per_token, mfu, peak_flops, training_proxy
 from megaroute.model import build_model
-from megaroute.routing import freeze_base
-from megaroute.routing.dispatch import capacity_k
+from megaroute.model.routing import freeze_base
+from megaroute.model.routing.dispatch import capacity_k
+from megaroute.model import ForwardOptions
 
 aten = torch.ops.aten
 CPU_FLASH_FLOPS = {
@@ -50,7 +42,7 @@ CASES = {
                            dict(method="mod", capacity=0.25, every=2, offset=1, causal_method="predictor",
                                 predictor_hidden=48), 77),
     "mod_sigmoid_c1.0": (dict(tie_embeddings=False), dict(method="mod", capacity=1.0, every=3, offset=2,
-                                                          gate="sigmoid"), 50),
+                                                          router_weight="sigmoid"), 50),
     "random_c0.25_oddT": (dict(tie_embeddings=True), dict(method="random", capacity=0.25, every=2, offset=1), 77),
     "stride_c0.125_oddT": (dict(tie_embeddings=True), dict(method="stride", capacity=0.125, every=1, offset=0), 83),
     "first_k_c0.5": (dict(tie_embeddings=False), dict(method="first_k", capacity=0.5, every=2, offset=0), 64),
@@ -268,7 +260,7 @@ def test_gated_inference_forward_matches_flop_counter(case):
     with torch.no_grad():
         # Early exit at inference is its causal mode; untrained heads retire no token (the estimate).
         total, counted = _count(model, tokens, backward=False,
-                                routing_mode="causal" if case.startswith("early_exit") else "topk")
+                                options=ForwardOptions(mode="causal" if case.startswith("early_exit") else "topk"))
     assert total == BATCH * est.forward
     for name in COMPONENTS:
         assert counted.get(name, 0) == BATCH * est.components[name], name

@@ -1,0 +1,15 @@
+"""Fused token-dispatch kernels for routed layers, importable as `megaroute.kernels`.
+
+    reference  pure-PyTorch semantics (gather, combine, path_slots, permute, unpermute)
+    ops        the same ops as Triton kernels with autograd.Function wrappers (imports triton)
+    backend    routing.dispatch = auto | torch | triton -> one of the two
+    bench      `python -m megaroute.kernels.bench`
+
+Routed layers reach these only through `megaroute.model.routing.dispatch.Dispatcher`. Importing this
+package does not import triton; `ops` is loaded on first use of the triton backend.
+"""
+
+from . import reference
+from .backend import BACKENDS, check_backend, resolve
+
+__all__ = ["BACKENDS", "check_backend", "reference", "resolve"]

@@ -1,0 +1,78 @@
+"""Capacity baselines: MoD's compute pattern without a learned router (update weight 1).
+
+Each routed block processes about k = capacity_k(T, c) tokens per sequence, chosen by
+    "random"   k uniform random positions per sequence (training); each token independently with
+               probability c (causal mode: a token's choice must not depend on the others)
+    "stride"   positions t with t % s == s - 1, s = round(1/c): T // s tokens, positional, so
+               the same in every mode (causal by construction)
+    "first_k"  positions t < k, in every mode
+They answer "does the learned router beat a choice that ignores the content?" at equal FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...config import ModelConfig, RoutingConfig
+from ..block import TransformerBlock
+from ..rope import Positions
+from . import dispatch
+from .context import RoutingContext
+from .execute import update_selected
+from .spec import MethodSpec, capacity_tokens
+
+BASELINES = ("random", "stride", "first_k")
+
+
+def stride_of(capacity: float) -> int:
+    return max(1, round(1 / capacity))
+
+
+def stride_tokens(routing: RoutingConfig, T: int) -> int:
+    """Positions t < T with t % s == s - 1: T // s of them, not capacity_k (85, not 77, at c = 0.3, T = 256)."""
+    return T // stride_of(routing.capacity)
+
+
+class CapacityBaselineLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
+        super().__init__()
+        if cfg.method not in BASELINES:
+            raise ValueError(f"not a capacity baseline: routing.method={cfg.method!r}")
+        self.block = block
+        self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
+        self.method = cfg.method
+        self.capacity = cfg.capacity
+        self.stride = stride_of(cfg.capacity)
+
+    @property
+    def cacheable(self) -> bool:
+        """first_k picks positions < round(c * T) of the current call, so decoding step by step changes it."""
+        return self.method != "first_k"
+
+    def select(self, x: torch.Tensor, pos: Positions, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (indices [B, k] ascending, valid [B, k] or None when every row is real)."""
+        B, T, _ = x.shape
+        k = dispatch.capacity_k(T, self.capacity)
+        if self.method == "random":
+            if causal:
+                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < self.capacity)
+            return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
+        # Positional rules read each token's own (original) position: causal in every mode.
+        p = pos.positions
+        mask = (p % self.stride == self.stride - 1) if self.method == "stride" else (p < k)
+        return dispatch.mask_indices(mask)
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
+        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        ctx.add_stat(f"{name}/selected_frac", selected)
+        ctx.add_exec(name, selected)
+        return update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)
+
+
+# MoD's cost without a router: the block on the selected tokens (the spec's default cost model).
+RANDOM = MethodSpec(name="random", layer=CapacityBaselineLayer, tokens=capacity_tokens)
+STRIDE = MethodSpec(name="stride", layer=CapacityBaselineLayer, tokens=stride_tokens)
+FIRST_K = MethodSpec(name="first_k", layer=CapacityBaselineLayer, tokens=capacity_tokens)

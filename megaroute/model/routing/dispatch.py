@@ -1,0 +1,76 @@
+"""Token dispatch for routed layers: choose -> gather -> (compute) -> combine.
+
+Choosing tokens (capacity_k, topk_indices, mask_indices) is plain PyTorch here. Moving them is
+done by a `Dispatcher`, which each routed layer builds from `routing.dispatch` and which runs
+either the pure-PyTorch reference (megaroute.kernels.reference, the semantics) or the fused
+Triton kernels. All ops are batched (no per-sample Python loops) and keep the causal order of
+the selected tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import check_backend, resolve
+
+
+def capacity_k(seq_len: int, capacity: float) -> int:
+    """Tokens a routed block processes per sequence: max(1, round(c * T)). Never zero."""
+    return max(1, int(round(capacity * seq_len)))
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-sequence expert-choice top-k: scores [B, T] -> indices [B, k], ascending (causal order)."""
+    return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
+def mask_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged selection as a padded batch: mask [B, T] -> (indices [B, kmax], valid [B, kmax]).
+
+    Selected positions come first in ascending order, padding (unselected positions) after, so
+    a causal mask in index order never lets a real token see padding.
+    """
+    B, T = mask.shape
+    counts = mask.sum(dim=1)
+    kmax = int(counts.max()) if B > 0 else 0
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    order = torch.where(mask, pos, pos + T).argsort(dim=1)[:, :kmax]
+    valid = torch.arange(kmax, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
+    return order, valid
+
+
+def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    mask = torch.zeros(indices.shape[0], seq_len, dtype=torch.bool, device=indices.device)
+    return mask.scatter_(1, indices, True)
+
+
+class Dispatcher:
+    """Moves tokens for one routed layer on the backend named by `routing.dispatch`.
+
+        gather(x, idx)                   x[b, idx[b]]                              [B, k, D]
+        combine(x, idx, g, delta)        out = x;  out[b, idx[b, j]] += g[b, j] * delta[b, j]
+        permute(x, slot)                 [B*T, D]: full-path tokens first, then cheap (see path_slots)
+        unpermute(h, slot, w, yf, yc)    h + w * (each token's row of yf / yc)
+
+    The backend is resolved per call from the input's device, so a layer built on CPU and moved
+    to a GPU picks up the kernels. Holds only the backend name (picklable, no global state).
+    """
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = check_backend(backend)
+
+    def __repr__(self) -> str:
+        return f"Dispatcher({self.backend!r})"
+
+    def gather(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).gather(x, idx)
+
+    def combine(self, x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).combine(x, idx, g, delta)
+
+    def permute(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, x.device).permute(x, slot)
+
+    def unpermute(self, h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
+                  y_cheap: torch.Tensor) -> torch.Tensor:
+        return resolve(self.backend, h.device).unpermute(h, slot, w, y_full, y_cheap)

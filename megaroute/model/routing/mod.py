@@ -1,0 +1,113 @@
+"""Mixture-of-Depths layer (Raposo et al., 2024). This docstring is the specification:
+
+    r     = router(x)                              [B, T]
+    idx   = top-k(r, k = max(1, round(c*T))), ascending
+    delta = block.update(x[idx], original positions)
+    out   = x;  out[idx] += g(r[idx]) * delta      (residual added once; router on the grad path)
+
+g is `routing.router_weight` (identity or sigmoid). Unselected tokens pass through bit for bit;
+selected ones attend only to each other, at their original positions (RoPE).
+
+Top-k over the sequence sees the future, so it is for training only. `causal` mode lets each
+token decide alone: from the sign of its own router logit (trained by an auxiliary BCE toward
+top-k membership) or from a small predictor on a stop-gradient copy of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ModelConfig, RoutingConfig
+from ..block import TransformerBlock
+from ..rope import Positions
+from . import dispatch
+from .context import RoutingContext
+from .execute import update_selected
+from .spec import LayerFlops, MethodSpec, block_flops, capacity_tokens
+
+
+def _identity(r: torch.Tensor) -> torch.Tensor:
+    return r
+
+
+# Named functions, not lambdas: a module holding a lambda cannot be pickled (torch.save(model)).
+ROUTER_WEIGHTS = {"identity": _identity, "sigmoid": torch.sigmoid}
+
+
+class CausalPredictor(nn.Module):
+    """Small MLP predicting top-k membership from a stop-gradient copy of the hidden state."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.detach()).squeeze(-1)
+
+
+class MoDLayer(nn.Module):
+    def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
+        super().__init__()
+        d_model = model_cfg.d_model
+        self.block = block
+        self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
+        self.capacity = cfg.capacity
+        self.weight_fn = ROUTER_WEIGHTS[cfg.router_weight]
+        self.router = nn.Linear(d_model, 1, bias=False)
+        self.causal_method = cfg.causal_method
+        self.aux_loss_weight = cfg.aux_loss_weight
+        self.predictor_loss_weight = cfg.predictor_loss_weight
+        self.predictor = CausalPredictor(d_model, cfg.predictor_hidden) if cfg.causal_method == "predictor" else None
+
+    def causal_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Per-token decision logits that read only the token itself (> 0 means 'process')."""
+        return self.predictor(x) if self.predictor is not None else router_logits
+
+    def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        logits = self.router(x).squeeze(-1)
+        causal = self.causal_logits(x, logits)
+        if not ctx.causal:
+            idx, valid = dispatch.topk_indices(logits, dispatch.capacity_k(T, self.capacity)), None
+            self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
+        else:
+            idx, valid = dispatch.mask_indices(causal > 0)
+        idx, valid = ctx.route_indices(name, idx, valid, T)
+        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        ctx.add_stat(f"{name}/selected_frac", selected)
+        ctx.add_exec(name, selected)
+        ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
+        ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
+        weight = self.weight_fn(logits.gather(1, idx))
+        return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
+
+    def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
+        target = selected.to(logits.dtype)
+        if self.predictor is None:
+            ctx.add_loss(f"{name}/router_bce", F.binary_cross_entropy_with_logits(logits.float(), target.float()),
+                         self.aux_loss_weight)
+        else:
+            ctx.add_loss(f"{name}/predictor_bce", F.binary_cross_entropy_with_logits(causal.float(), target.float()),
+                         self.predictor_loss_weight)
+        ctx.add_stat(f"{name}/causal_agreement", ((causal > 0) == selected).float().mean())
+
+
+def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
+    """The block on k tokens; the router (and the predictor) on all T."""
+    d = model.d_model
+    fwd = block_flops(capacity_tokens(routing, T), d, model.ffn_hidden)
+    fwd["router"] = 2 * T * d
+    if routing.causal_method == "predictor":
+        h = routing.predictor_hidden
+        fwd["predictor"] = 2 * T * d * h + 2 * T * h
+    return LayerFlops(fwd)
+
+
+def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
+    return f"mod: {where}, k = {k} of {T} tokens, causal method {routing.causal_method}"
+
+
+MOD = MethodSpec(name="mod", layer=MoDLayer, controller=("router", "predictor"), tokens=capacity_tokens,
+                 flops=_flops, describe=_describe)

@@ -1,0 +1,327 @@
+"""Converter and HF wrapper on checkpoint-shaped run directories written without training.
+
+Real components: transformers' Auto* loading from the converted directory (trust_remote_code),
+lm-eval-harness's Python API on a local YAML task, safetensors files. Checkpoints from real
+DeepSpeed jobs (ZeRO 1/3, TP 1/2) are in tests/integration/test_hf_convert.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaroute.data.tokenizers import CharTokenizer, train_sentencepiece
+from megaroute.hf.convert import convert
+from megaroute.hf.reader import ConversionError
+from megaroute.hf.synthetic import write_checkpoint
+from megaroute.model import ForwardOptions
+
+REPO = str(Path(__file__).resolve().parents[3])
+TEXT = open(os.path.join(REPO, "data/tinyshakespeare.txt")).read()[:20000]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture
+def char_tok(tmp_path):
+    tok = CharTokenizer(TEXT)
+    path = tmp_path / "tok.json"
+    path.write_bytes(tok.to_bytes())
+    return CharTokenizer.from_bytes(path.read_bytes(), str(path))
+
+
+@pytest.fixture
+def make_run(tmp_path, make_model, char_tok):
+    """make_run(*overrides) -> (run_dir, model, cfg): a TP=1 checkpoint of a freshly initialized model."""
+
+    def make(*overrides, name="run", seed=0):
+        model, cfg = make_model(*overrides, f"name={name}", seed=seed)
+        run = tmp_path / "runs" / name
+        write_checkpoint(model, cfg, str(run), char_tok.hash, step=3)
+        return str(run), model.eval(), cfg
+
+    return make
+
+
+def _load(out):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+
+
+def _convert(run, out, char_tok, **kw):
+    return convert(run, str(out), tokenizer=char_tok.path, progress=False, **kw)
+
+
+@pytest.mark.parametrize("method", ["none", "mod", "random", "stride", "first_k", "halting", "depth_gate",
+                                    "early_exit"])
+@torch.no_grad()
+def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char_tok, method):
+    run, model, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
+    out = _convert(run, tmp_path / "hf", char_tok)
+    hf = _load(out)
+    x = torch.randint(0, 60, (2, 40))
+    torch.manual_seed(1)  # the random baseline draws its causal choices
+    ours = model(x, options=ForwardOptions(mode="causal")).logits
+    torch.manual_seed(1)
+    theirs = hf(x).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    assert hf.config.routing_mode == "causal"
+
+
+@torch.no_grad()
+def test_topk_mode_is_selectable(make_run, tmp_path, char_tok):
+    run, model, _ = make_run("routing.method=mod")
+    hf = _load(_convert(run, tmp_path / "hf", char_tok, routing_mode="topk"))
+    x = torch.randint(0, 60, (1, 32))
+    torch.testing.assert_close(hf(x).logits, model(x, options=ForwardOptions(mode="topk")).logits, atol=1e-4, rtol=0)
+    assert not torch.allclose(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["mod", "depth_gate"])
+@torch.no_grad()
+def test_right_padded_batch_equals_unpadded_sequences(make_run, tmp_path, char_tok, method):
+    run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    a, b = torch.randint(0, 60, (1, 30)), torch.randint(0, 60, (1, 18))
+    batch = torch.cat([a, torch.nn.functional.pad(b, (0, 12))])
+    mask = torch.ones_like(batch)
+    mask[1, 18:] = 0
+    logits = hf(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1, :18], hf(b).logits[0], atol=1e-5, rtol=0)
+    inner = torch.ones_like(batch)
+    inner[1, 5] = 0
+    with pytest.raises(ValueError, match="inner padding"):
+        hf(batch, attention_mask=inner)
+    with pytest.raises(ValueError, match="routing that sees later tokens.*'topk'"):
+        hf(batch, attention_mask=mask, routing_mode="topk")
+
+
+@pytest.mark.parametrize("method", ["none", "mod", "depth_gate", "halting"])
+@torch.no_grad()
+def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path, char_tok, method):
+    run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", "routing.every=1", "routing.offset=0", seed=5)
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    a, b = torch.randint(1, 60, (1, 14)), torch.randint(1, 60, (1, 6))
+    batch = torch.cat([a, torch.nn.functional.pad(b, (8, 0))])  # b left-padded with 8 pad tokens (id 0)
+    mask = torch.ones_like(batch)
+    mask[1, :8] = 0
+    # One padded forward (the cached path masks the pads) gives each sequence's own logits.
+    logits = hf(batch, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1, 8:], hf(b).logits[0], atol=1e-5, rtol=0)
+    together = hf.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for row, seq in ((0, a), (1, b)):
+        alone = hf.generate(seq, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert together[row, -12:].tolist() == alone[0, -12:].tolist(), row
+
+
+@pytest.mark.parametrize("method", ["none", "mod"])
+@torch.no_grad()
+def test_generate_with_cache_equals_without(make_run, tmp_path, char_tok, method):
+    run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", seed=3)
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    prompt = torch.randint(0, 60, (1, 12))
+    cached = hf.generate(prompt, max_new_tokens=30, do_sample=False, use_cache=True)
+    uncached = hf.generate(prompt, max_new_tokens=30, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 42)
+    assert cached.tolist() == uncached.tolist()
+
+
+def test_output_files_and_tokenizer(make_run, tmp_path, char_tok):
+    from transformers import AutoConfig, AutoTokenizer
+
+    run, _, cfg = make_run("routing.method=mod")
+    out = _convert(run, tmp_path / "hf", char_tok)
+    names = set(os.listdir(out))
+    assert {"config.json", "configuration_megaroute.py", "modeling_megaroute.py", "model.safetensors",
+            "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert config.auto_map["AutoModelForCausalLM"] == "modeling_megaroute.MegarouteForCausalLM"
+    assert config.megaroute_model["d_model"] == cfg.model.d_model and config.megaroute_routing["method"] == "mod"
+    tok = AutoTokenizer.from_pretrained(out)  # the plain call (transformers may ask about config.json's code)
+    sample = "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert tok(sample)["input_ids"] == char_tok.encode(sample)
+    assert tok.decode(char_tok.encode(sample)) == sample
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".hf")]  # no temporary directory left
+
+
+def test_sentencepiece_tokenizer_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megaroute.hf.tokenizer import export_tokenizer
+
+    sp = train_sentencepiece(TEXT.splitlines(), 600)
+    export_tokenizer(sp, str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=True)
+    sample = "KING RICHARD:\n  What say you, 1234 times?"
+    assert tok(sample)["input_ids"] == sp.encode(sample)
+    assert tok.decode(sp.encode(sample)) == sample
+    assert tok.eos_token_id == sp.eos_id
+
+
+def test_sharded_safetensors(make_run, tmp_path, char_tok):
+    run, model, _ = make_run()
+    out = _convert(run, tmp_path / "hf", char_tok, max_shard_bytes=40_000)
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1 and "model.safetensors" not in os.listdir(out)
+    x = torch.randint(0, 60, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(x).logits, model(x, options=ForwardOptions(mode="causal")).logits,
+                                   atol=1e-4, rtol=0)
+
+
+def test_refuses_to_overwrite_unless_forced(make_run, tmp_path, char_tok):
+    run, _, _ = make_run()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(ConversionError, match="already exists; pass --force"):
+        _convert(run, out, char_tok)
+    assert (out / "precious.txt").read_text() == "keep me"
+    _convert(run, out, char_tok, force=True)
+    assert "model.safetensors" in os.listdir(out) and "precious.txt" not in os.listdir(out)
+
+
+def test_clear_errors(make_run, tmp_path, char_tok):
+    run, _, _ = make_run("model.vocab_size=96", "data.tokenizer.vocab_size=96")  # divisible by 2, so the config below is a valid TP=2 one
+    with pytest.raises(ConversionError, match=r"no checkpoint 'step_00000099' in .*\(checkpoints there: step_00000003\)"):
+        _convert(run, tmp_path / "a", char_tok, tag="step_00000099")
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("hi")
+    with pytest.raises(ConversionError, match="is not a megaroute checkpoint"):
+        _convert(str(stranger), tmp_path / "b", char_tok)
+    with pytest.raises(ConversionError, match="no such file"):
+        _convert(str(tmp_path / "nope"), tmp_path / "c", char_tok)
+    other = tmp_path / "other_tok.json"
+    other.write_bytes(CharTokenizer("abc").to_bytes())
+    with pytest.raises(ConversionError, match="was trained with tokenizer"):
+        convert(run, str(tmp_path / "g"), tokenizer=str(other), progress=False)
+    # The config says TP=2, so a second shard is expected.
+    cfg_path = os.path.join(run, "config.yaml")
+    text = open(cfg_path).read()
+    open(cfg_path, "w").write(text.replace("  tp: 1", "  tp: 2"))
+    with pytest.raises(ConversionError, match=r"mp_rank_01_model_states.pt: missing model shard"):
+        _convert(run, tmp_path / "d", char_tok)
+    open(cfg_path, "w").write(text.replace("d_model: 32", "d_model: 64"))
+    with pytest.raises(ConversionError, match=r"embed.weight: shape \(96, 32\).*expected \(96, 64\)"):
+        _convert(run, tmp_path / "e", char_tok)
+    open(cfg_path, "w").write(text)
+    tag_dir = os.path.join(run, "checkpoints", "step_00000003")
+    os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    with pytest.raises(ConversionError, match=r"mp_rank_00_model_states.pt: missing \(listed in manifest.json\)"):
+        _convert(run, tmp_path / "f", char_tok)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_zero3_shards_of_a_bf16_engine_are_found(make_run):
+    """A bf16 engine names its ZeRO-3 optimizer partitions bf16_zero_pp_rank_*: still ZeRO-3 shards."""
+    from megaroute.hf.reader import locate
+    from megaroute.train.checkpoint import write_manifest
+
+    run, _, _ = make_run("optim.zero_stage=3", "train.precision=bf16")
+    tag_dir = os.path.join(run, "checkpoints", "step_00000003")
+    os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        open(os.path.join(tag_dir, name), "wb").close()
+    write_manifest(tag_dir, 3)
+    src = locate(run)
+    assert src.zero3 and [os.path.basename(f) for f in src.files] == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+def test_cli_reports_errors(make_run, tmp_path, char_tok, capsys):
+    from megaroute.cli import main
+
+    run, _, _ = make_run()
+    assert main(["convert", run, str(tmp_path / "hf"), "--tokenizer", char_tok.path, "--no-progress"]) == 0
+    assert main(["convert", run, str(tmp_path / "hf"), "--tokenizer", char_tok.path]) == 1
+    assert "already exists; pass --force" in capsys.readouterr().err
+
+
+def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    run, _, _ = make_run("routing.method=mod")
+    out = _convert(run, tmp_path / "hf", char_tok)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"context": "First Citizen:\nYou are all resolved rather to", "choices": [" die", " eat"], "label": 0},
+            {"context": "Speak, speak", "choices": ["!", "?"], "label": 0},
+            {"context": "We know't, we know", "choices": ["'t.", "it."], "label": 0}]
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "megaroute_tiny.yaml").write_text(textwrap.dedent(f"""\
+        task: megaroute_tiny
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {tasks / 'docs.jsonl'}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{context}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: label
+        metric_list:
+          - metric: acc
+        """))
+    results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True",
+                                      tasks=["megaroute_tiny"], task_manager=TaskManager(include_path=str(tasks)),
+                                      batch_size=2, device="cpu")  # lm-eval pads on the right
+    metrics = results["results"]["megaroute_tiny"]
+    assert 0.0 <= metrics["acc,none"] <= 1.0
+    assert all(v == v for k, v in metrics.items() if isinstance(v, float))  # finite, no NaN
+
+
+def test_peak_memory_within_bound(tmp_path, make_model, char_tok):
+    """Peak RSS of a conversion subprocess <= 1.5x the fp32 model size + 1 GB (largest model this CI affords)."""
+    model, cfg = make_model("model.d_model=768", "model.n_heads=12", "model.n_layers=8", "model.vocab_size=8192",
+                            "model.tie_embeddings=false", "model.max_seq_len=128", "name=big")
+    fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
+    write_checkpoint(model, cfg, str(tmp_path / "big"), char_tok.hash)
+    del model
+    shard = 32 * 2**20  # several output shards, as a large model has
+    script = (f"from megaroute.hf.convert import convert; from megaroute.bench.convert import peak_rss_bytes; "
+              "import safetensors.torch, tokenizers, tqdm, transformers; from megaroute.model import build_model; "
+              "base = peak_rss_bytes(); "  # after the imports: what the process costs without any weights
+              f"convert({str(tmp_path / 'big')!r}, {str(tmp_path / 'hf')!r}, tokenizer={char_tok.path!r}, progress=False, "
+              f"max_shard_bytes={shard}); "
+              "print(base, peak_rss_bytes())")  # VmHWM of the converter process itself
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    base, peak = map(int, res.stdout.strip().splitlines()[-1].split())
+    bound = 1.5 * fp32_bytes + 2**30
+    print(f"model {fp32_bytes / 2**20:.0f} MiB fp32, peak RSS {peak / 2**20:.0f} MiB (after imports "
+          f"{base / 2**20:.0f} MiB), bound {bound / 2**20:.0f} MiB")
+    assert fp32_bytes > 250 * 2**20
+    assert peak <= bound
+    # The +1 GB dominates at this size, so also bound the growth over the imported process: the
+    # memory-mapped input (file-backed pages count as resident once read) plus less than one more
+    # model-sized copy. A converter that materialized the full state dict twice would fail here.
+    assert peak - base <= 2 * fp32_bytes
+
+
+def test_convert_benchmark_runs_on_tiny_configs(tmp_path, capsys):
+    """Smoke test of python -m megaroute.bench.convert (figures are printed, not asserted)."""
+    from megaroute.bench import convert as bench
+
+    assert bench.main(["--dense", os.path.join(REPO, "configs/tiny.yaml"), "--mod", os.path.join(REPO, "configs/tiny_mod.yaml"),
+                       "--prompt-len", "8", "--new-tokens", "8", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("peak RSS") == 3 and "ok)" in out, out
+    assert "mod_calibrated / dense sampling speed" in out
+    # The calibrated causal predictor passes about the configured 12.5% of tokens.
+    frac = float(out.split("mod_calibrated")[-2].split("routed blocks ran ")[1].split("%")[0])
+    assert frac < 40

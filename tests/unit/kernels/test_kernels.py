@@ -1,0 +1,294 @@
+"""Token-dispatch kernels: Triton == PyTorch reference, forward and backward.
+
+On CPU the Triton kernels run under the interpreter, so shapes stay tiny. TRITON_INTERPRET=1
+must be set before triton is first imported (triton fixes the mode then, and DeepSpeed imports
+it), so tests/conftest.py sets it for the session. Interpreted bf16 stores
+truncate instead of rounding to nearest, hence a one-ulp tolerance for bf16 (exact on GPUs up to
+float32 summation order). CUDA-only tests at the end compile the kernels and time them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaroute.kernels import reference as ref
+from megaroute.kernels import resolve
+from megaroute.model import ForwardOptions
+
+triton = pytest.importorskip("triton")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3),
+       torch.float16: dict(rtol=1e-3, atol=1e-4)}
+# (B, T, D, k): k = 0 and k = T, B = 1, D not a power of two, D > BLOCK_D is covered on CUDA.
+SHAPES = [(2, 7, 5, 3), (1, 6, 3, 0), (1, 6, 3, 6), (3, 5, 17, 2)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return resolve("triton", DEVICE)
+
+
+def _rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _indices(B, T, k, gen):
+    return torch.rand(B, T, generator=gen).topk(k, dim=1).indices.sort(dim=1).values.to(DEVICE)
+
+
+def _run(fn, inputs, grad_out):
+    """-> (output, grads of the float inputs); inputs are detached copies so both sides start equal."""
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves if t.is_floating_point()]
+
+
+def _assert_parity(ops_fn, ref_fn, inputs):
+    """Same output and same input gradients (dtype and shape included) for one random grad_out."""
+    shape, out_dtype = (lambda o: (o.shape, o.dtype))(ref_fn(*inputs))
+    grad_out = _rand(*shape, dtype=out_dtype, gen=torch.Generator().manual_seed(1))
+    want, want_grads = _run(ref_fn, inputs, grad_out)
+    got, got_grads = _run(ops_fn, inputs, grad_out)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **TOL[want.dtype])
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, **TOL[w.dtype])
+
+
+# ----------------------------------------------------------------------------- forward + backward
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,D,k", SHAPES)
+def test_gather_matches_reference(ops, B, T, D, k, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(B, T, D, dtype=dtype, gen=gen), _indices(B, T, k, gen)
+    assert torch.equal(ops.gather(x, idx), ref.gather(x, idx))  # a pure copy: bit-exact
+    _assert_parity(ops.gather, ref.gather, (x, idx))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,D,k", SHAPES)
+def test_combine_matches_reference(ops, B, T, D, k, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(B, T, D, dtype=dtype, gen=gen), _indices(B, T, k, gen)
+    g, delta = _rand(B, k, dtype=dtype, gen=gen), _rand(B, k, D, dtype=dtype, gen=gen)
+    out = ops.combine(x, idx, g, delta)
+    unselected = torch.ones(B, T, dtype=torch.bool, device=DEVICE).scatter_(1, idx, False)
+    assert torch.equal(out[unselected], x[unselected])  # rows without an update are x, bit for bit
+    _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
+
+
+def test_combine_mixed_dtypes_fp32_residual_bf16_update(ops):
+    """Under autocast the residual stream may be float32 while the block's update is bf16."""
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(2, 6, 7, gen=gen), _indices(2, 6, 3, gen)
+    g, delta = _rand(2, 3, gen=gen), _rand(2, 3, 7, dtype=torch.bfloat16, gen=gen)
+    _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
+
+
+def test_combine_backward_with_a_constant_weight(ops):
+    """Capacity baselines pass g = 1 without grad: the kernel skips the grad_g reduction."""
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(2, 6, 7, gen=gen), _indices(2, 6, 3, gen)
+    delta = _rand(2, 3, 7, gen=gen)
+    g = torch.ones(2, 3, device=DEVICE)
+    grads = []
+    for combine in (ops.combine, ref.combine):
+        xl, dl = x.clone().requires_grad_(), delta.clone().requires_grad_()
+        combine(xl, idx, g, dl).backward(x)
+        grads.append((xl.grad, dl.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_fp16(ops):
+    gen = torch.Generator().manual_seed(0)
+    x, idx = _rand(2, 6, 7, dtype=torch.float16, gen=gen), _indices(2, 6, 3, gen)
+    g, delta = _rand(2, 3, dtype=torch.float16, gen=gen), _rand(2, 3, 7, dtype=torch.float16, gen=gen)
+    _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
+    _assert_parity(ops.gather, ref.gather, (x, idx))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,D,frac", [(2, 7, 5, 0.4), (1, 6, 3, 0.0), (1, 6, 3, 1.0), (3, 5, 17, 0.5)])
+def test_permute_unpermute_match_reference(ops, B, T, D, frac, dtype):
+    gen = torch.Generator().manual_seed(0)
+    full = (torch.rand(B, T, generator=gen) < frac).to(DEVICE)
+    slot, n_full = ref.path_slots(full)
+    x = _rand(B, T, D, dtype=dtype, gen=gen)
+    assert torch.equal(ops.permute(x, slot), ref.permute(x, slot))
+    _assert_parity(ops.permute, ref.permute, (x, slot))
+    h, w = _rand(B, T, D, dtype=dtype, gen=gen), _rand(B, T, dtype=dtype, gen=gen)
+    y_full, y_cheap = _rand(n_full, D, dtype=dtype, gen=gen), _rand(B * T - n_full, D, dtype=dtype, gen=gen)
+    _assert_parity(ops.unpermute, ref.unpermute, (h, slot, w, y_full, y_cheap))
+
+
+def test_strided_inputs_need_no_copy(ops):
+    """Views strided over B, T and even D (a transposed batch, every other feature), and strided index
+    tensors, give the same result."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, D, k = 3, 6, 5, 2
+    x = _rand(T, B, 2 * D, gen=gen).transpose(0, 1)[..., ::2]
+    idx = _indices(B, T, k, gen)
+    g = _rand(k, B, gen=gen).t()
+    delta = _rand(k, B, D, gen=gen).transpose(0, 1)
+    assert not (x.is_contiguous() or g.is_contiguous() or delta.is_contiguous())
+    _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
+    _assert_parity(ops.gather, ref.gather, (x, idx))
+    slot, n_full = ref.path_slots(torch.rand(B, T, generator=gen).to(DEVICE) < 0.5)
+    _assert_parity(ops.permute, ref.permute, (x, slot))
+    y = _rand(D, B * T, gen=gen).t()
+    _assert_parity(ops.unpermute, ref.unpermute, (x, slot, g.new_ones(B, T), y[:n_full], y[n_full:]))
+    # Index tensors strided too (same values, transposed storage).
+    slot_t, idx_t = slot.t().contiguous().t(), idx.t().contiguous().t()
+    assert not (slot_t.is_contiguous() or idx_t.is_contiguous())
+    _assert_parity(ops.unpermute, ref.unpermute, (x, slot_t, g.new_ones(B, T), y[:n_full], y[n_full:]))
+    _assert_parity(ops.permute, ref.permute, (x, slot_t))
+    _assert_parity(ops.combine, ref.combine, (x, idx_t, g, delta))
+    _assert_parity(ops.gather, ref.gather, (x, idx_t))
+
+
+def test_path_slots_put_full_tokens_first_in_order():
+    full = torch.tensor([[True, False, True], [False, True, False]])
+    slot, n_full = ref.path_slots(full)
+    assert n_full == 3
+    assert slot.tolist() == [[0, 3, 1], [4, 2, 5]]
+
+
+# ------------------------------------------------------------------------- references: gradcheck
+
+
+def test_references_pass_gradcheck_in_float64():
+    gen = torch.Generator().manual_seed(0)
+    B, T, D, k = 2, 5, 3, 2
+    f64 = dict(dtype=torch.float64)
+    x = torch.randn(B, T, D, generator=gen).to(**f64).requires_grad_()
+    idx = torch.rand(B, T, generator=gen).topk(k, dim=1).indices.sort(dim=1).values
+    g, delta = torch.randn(B, k, generator=gen).to(**f64).requires_grad_(), torch.randn(B, k, D, generator=gen).to(**f64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: ref.gather(x, idx), (x,))
+    assert torch.autograd.gradcheck(lambda x, g, d: ref.combine(x, idx, g, d), (x, g, delta))
+    slot, n_full = ref.path_slots(torch.rand(B, T, generator=gen) < 0.5)
+    w = torch.randn(B, T, generator=gen).to(**f64).requires_grad_()
+    y = torch.randn(B * T, D, generator=gen).to(**f64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: ref.permute(x, slot), (x,))
+    assert torch.autograd.gradcheck(lambda h, w, y: ref.unpermute(h, slot, w, y[:n_full], y[n_full:]), (x, w, y))
+
+
+# -------------------------------------------------------------------------- input checks, backend
+
+
+def test_bad_inputs_are_rejected_naming_the_argument(ops):
+    x, idx = torch.randn(2, 6, 4, device=DEVICE), torch.tensor([[0, 3], [1, 2]], device=DEVICE)
+    g, delta = torch.ones(2, 2, device=DEVICE), torch.ones(2, 2, 4, device=DEVICE)
+    with pytest.raises(TypeError, match="idx must be int64"):
+        ops.gather(x, idx.int())
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        ops.gather(x.double(), idx)
+    with pytest.raises(ValueError, match="delta must have shape"):
+        ops.combine(x, idx, g, delta[..., :3])
+    with pytest.raises(ValueError, match="g must have shape"):
+        ops.combine(x, idx, g[:, :1], delta)
+    with pytest.raises(ValueError, match="x must be 3-D"):
+        ops.gather(x[0], idx)
+    with pytest.raises(ValueError, match="slot must have shape"):
+        ops.permute(x, idx)
+    with pytest.raises(ValueError, match="y_full and y_cheap must hold"):
+        ops.unpermute(x, torch.zeros(2, 6, dtype=torch.long, device=DEVICE), torch.ones(2, 6, device=DEVICE),
+                      torch.ones(3, 4, device=DEVICE), torch.ones(3, 4, device=DEVICE))
+
+
+def test_backend_selection(ops, monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve("torch", cpu) is ref and resolve("auto", cpu) is ref  # auto = PyTorch on CPU
+    with pytest.raises(ValueError, match="dispatch backend must be one of"):
+        resolve("cuda", cpu)
+    monkeypatch.setattr(ops.tk, "INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        resolve("triton", cpu)
+
+
+def test_config_switch_is_validated(make_config):
+    assert make_config().routing.dispatch == "auto"
+    assert make_config("routing.dispatch=triton").routing.dispatch == "triton"
+    with pytest.raises(Exception, match="dispatch"):
+        make_config("routing.dispatch=cuda")
+
+
+# ------------------------------------------------------------------------------------ model level
+
+
+def _train(make_model, overrides, steps=3):
+    model, cfg = make_model(*overrides, device=str(DEVICE))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen).to(DEVICE)
+        model.train()
+        out = model(tokens, tokens)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():  # causal / single-path dispatch paths
+            evals = [model(tokens, tokens, options=ForwardOptions(mode=mode)).lm_loss.item()
+                     for mode in ("topk", "causal")]
+        losses.append([out.loss.item(), *evals])
+    return torch.tensor(losses)
+
+
+@pytest.mark.parametrize("method", [("routing.method=mod", "routing.capacity=0.25", "routing.router_weight=sigmoid"),
+                                    ("routing.method=depth_gate",)])
+def test_routed_model_trains_the_same_with_triton_dispatch(ops, make_model, method):
+    torch_losses = _train(make_model, (*method, "routing.dispatch=torch"))
+    triton_losses = _train(make_model, (*method, "routing.dispatch=triton"))
+    torch.testing.assert_close(triton_losses, torch_losses, rtol=1e-4, atol=1e-5)
+
+
+def test_benchmark_cpu_path_runs_and_reports_the_share(capsys):
+    from megaroute.kernels import bench
+
+    threads = torch.get_num_threads()  # bench sets the process-wide thread count
+    try:
+        assert bench.main(["--cpu", "--cpu-batch", "1", "--cpu-seq-len", "32", "--cpu-d", "64", "--repeat", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.count("share") == 2 and "MoD train step" in out and "depth-gate inference" in out
+
+
+# ------------------------------------------------------------------------------------- CUDA only
+
+
+def _unfused_combine(x, idx, g, delta):
+    """The chain the kernel replaces: mul, cast, index expand, scatter_add (out of place)."""
+    update = (g.unsqueeze(-1) * delta).to(x.dtype)
+    return x.scatter_add(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_compiled_kernels_match_their_references(ops, dtype):
+    from triton.testing import do_bench
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, D, k = 4, 2048, 2304, 256  # D > BLOCK_D and not a power of two
+    x, idx = _rand(B, T, D, dtype=dtype, gen=gen), _indices(B, T, k, gen)
+    g, delta = _rand(B, k, dtype=dtype, gen=gen), _rand(B, k, D, dtype=dtype, gen=gen)
+    _assert_parity(ops.combine, ref.combine, (x, idx, g, delta))
+    _assert_parity(ops.gather, ref.gather, (x, idx))
+    # The cheap/full split: compiled permute/unpermute, forward and backward, with combine weights.
+    slot, n_full = ref.path_slots(torch.rand(B, T, generator=gen).to(DEVICE) < 0.5)
+    _assert_parity(ops.permute, ref.permute, (x, slot))
+    y, w = _rand(B * T, D, dtype=dtype, gen=gen), _rand(B, T, dtype=dtype, gen=gen)
+    _assert_parity(ops.unpermute, ref.unpermute, (x, slot, w, y[:n_full], y[n_full:]))
+    # Timing is reported, not asserted (targets live in python -m megaroute.kernels.bench).
+    fused = do_bench(lambda: ops.combine(x, idx, g, delta))
+    unfused = do_bench(lambda: _unfused_combine(x, idx, g, delta))
+    print(f"combine {dtype}: fused {fused * 1e3:.1f} us, unfused {unfused * 1e3:.1f} us")
+

@@ -1,0 +1,542 @@
+"""Mixture-of-Depths: each known way public implementations get the routing wrong, tested.
+
+The specification is megaroute/model/routing/mod.py's docstring: route -> top-k (sorted) -> gather
+with original positions -> block update -> combine once, weighted by g(router logit).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from megaroute.kernels import reference
+from megaroute.model import ForwardOptions, build_model
+from megaroute.model.block import TransformerBlock
+from megaroute.model.rope import Positions
+from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
+
+MOD = ("routing.method=mod", "routing.every=2", "routing.offset=1")  # layers 1 and 3 routed of 4
+
+
+def mod_layers(model) -> list[MoDLayer]:
+    return [layer for layer in model.layers if isinstance(layer, MoDLayer)]
+
+
+def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
+
+
+def unit_router_weight(monkeypatch, layer: MoDLayer) -> None:
+    monkeypatch.setattr(layer, "weight_fn", lambda r: torch.ones_like(r))
+
+
+def full_positions(rope, B: int, T: int) -> Positions:
+    return Positions(rope, torch.arange(T).expand(B, T))
+
+
+def gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return t.gather(1, idx.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+
+@torch.no_grad()
+def amplify(model, router: float = 1.0, attn: float = 1.0) -> None:
+    """Make routing effects visible at init: the identity gate multiplies a block's update by a
+    router logit of ~1e-3, and near-uniform attention hides positional effects."""
+    for layer in mod_layers(model):
+        layer.router.weight.mul_(router)
+    for layer in model.layers:
+        layer.block.attn.qkv.weight.mul_(attn)
+
+
+@pytest.fixture
+def make_layer(make_config):
+    """A routed layer (with its model's RoPE) initialised exactly as inside a model."""
+
+    def make(*overrides: str, seed: int = 0, attn: float = 1.0):
+        cfg = make_config(*MOD, *overrides)
+        torch.manual_seed(seed)
+        model = build_model(cfg.model, cfg.routing)
+        amplify(model, attn=attn)
+        layer = model.layers[1]
+        assert isinstance(layer, MoDLayer)
+        return layer, model.rope, cfg
+
+    return make
+
+
+def run_layer(layer, rope, x, mode="topk"):
+    ctx = RoutingContext(mode=mode)
+    B, T, _ = x.shape
+    return layer(x, full_positions(rope, B, T), ctx, "l"), ctx
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_routed_every_nth_block_each_with_its_own_router(make_model):
+    model, cfg = make_model(*MOD)
+    kinds = [type(layer) for layer in model.layers]
+    assert kinds == [DenseLayer, MoDLayer, DenseLayer, MoDLayer]
+    assert all(isinstance(layer.block, TransformerBlock) for layer in model.layers)
+
+    model, cfg = make_model("routing.method=mod", "routing.every=1", "routing.offset=0")
+    routers = [layer.router.weight for layer in mod_layers(model)]
+    assert len(routers) == cfg.model.n_layers
+    assert len({id(w) for w in routers}) == len(routers)
+    assert len({w.data_ptr() for w in routers}) == len(routers)
+    names = [n for n, _ in model.named_parameters() if n.endswith("router.weight")]
+    assert names == [f"layers.{i}.router.weight" for i in range(cfg.model.n_layers)]
+    # independently initialised, independently trained
+    assert not torch.equal(routers[0], routers[1])
+    tokens = tokens_for(cfg, 2, 12)
+    model(tokens, tokens).lm_loss.backward()
+    grads = [w.grad for w in routers]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert not torch.allclose(grads[0], grads[1])
+    # updating one router leaves the others untouched
+    before = [w.detach().clone() for w in routers]
+    with torch.no_grad():
+        routers[0].add_(1.0)
+    assert all(torch.equal(w, b) for w, b in zip(routers[1:], before[1:]))
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("gate", ["identity", "sigmoid"])
+@pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
+def test_router_receives_gradient_through_the_gate(make_model, gate, causal_method):
+    # The LM loss alone (no auxiliary loss) must train the router: it sits on the gradient path.
+    model, cfg = make_model(*MOD, f"routing.router_weight={gate}", f"routing.causal_method={causal_method}",
+                            "routing.capacity=0.5")
+    tokens = tokens_for(cfg, 2, 16)
+    out = model(tokens, tokens)
+    out.lm_loss.backward()
+    for layer in mod_layers(model):
+        g = layer.router.weight.grad
+        assert g is not None and torch.isfinite(g).all()
+        assert g.abs().max() > 0
+
+
+def test_router_gradient_in_causal_mode(make_model):
+    model, cfg = make_model(*MOD)
+    amplify(model, router=100.0)
+    tokens = tokens_for(cfg, 2, 16)
+    model(tokens, tokens, options=ForwardOptions(mode="causal")).lm_loss.backward()
+    assert all(layer.router.weight.grad.abs().max() > 0 for layer in mod_layers(model))
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def test_capacity_one_with_unit_gate_equals_dense(make_model, monkeypatch):
+    dense, cfg = make_model(seed=7)
+    mod, _ = make_model(*MOD, "routing.capacity=1.0", seed=11)
+    result = mod.load_state_dict(dense.state_dict(), strict=False)
+    # the MoD layer wraps the same TransformerBlock as `layer.block`; only the routers are extra
+    assert result.unexpected_keys == []
+    assert sorted(result.missing_keys) == ["layers.1.router.weight", "layers.3.router.weight"]
+    tokens = tokens_for(cfg, 3, 13)
+    ref = dense(tokens).logits
+
+    # with the real (identity) gate the update is scaled by the router logit: not equal
+    assert (mod(tokens).logits - ref).abs().max() > 1e-4
+
+    for layer in mod_layers(mod):
+        unit_router_weight(monkeypatch, layer)
+    out = mod(tokens, tokens)
+    assert torch.equal(out.logits, ref)
+    assert out.routing_stats["layer_1/selected_frac"].item() == 1.0
+
+
+def test_gathered_tokens_get_original_rope_positions(make_layer, monkeypatch):
+    # attn=20: sharper attention than at init, so that positions visibly matter
+    layer, rope, cfg = make_layer("routing.capacity=0.4", attn=20.0)
+    unit_router_weight(monkeypatch, layer)
+    B, T = 2, 13
+    k = dispatch.capacity_k(T, 0.4)
+    assert k == 5
+    x = torch.randn(B, T, cfg.model.d_model)
+    out, _ = run_layer(layer, rope, x)
+
+    idx = layer.router(x).squeeze(-1).topk(k, dim=1).indices.sort(dim=1).values
+    assert (idx != torch.arange(k)).any(dim=1).all(), "test needs selections that are not a prefix"
+    x_sel = gather(x, idx)
+    delta_mod = gather(out, idx) - x_sel
+
+    # a plain TransformerBlock with the same weights, run on the gathered subset with explicit positions
+    plain = TransformerBlock(cfg.model)
+    plain.load_state_dict(layer.block.state_dict())
+    delta_ref = plain(x_sel, Positions(rope, idx)) - x_sel
+    torch.testing.assert_close(delta_mod, delta_ref, rtol=1e-5, atol=1e-6)
+
+    # the known bug: positions 0..k-1 for the gathered tokens gives a different update
+    delta_wrong = plain(x_sel, Positions(rope, torch.arange(k).expand(B, k))) - x_sel
+    assert (delta_wrong - delta_ref).abs().max() > 1e-3
+    assert (delta_mod - delta_wrong).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("gate", ["identity", "sigmoid"])
+def test_update_is_gate_times_block_delta(make_layer, gate):
+    layer, rope, cfg = make_layer(f"routing.router_weight={gate}", "routing.capacity=0.3", attn=5.0)
+    B, T = 3, 11
+    x = torch.randn(B, T, cfg.model.d_model)
+    out, _ = run_layer(layer, rope, x)
+    logits = layer.router(x).squeeze(-1)
+    idx = logits.topk(dispatch.capacity_k(T, 0.3), dim=1).indices.sort(dim=1).values
+    r = logits.gather(1, idx)
+    g = r if gate == "identity" else torch.sigmoid(r)
+    x_sel = gather(x, idx)
+    expected = x_sel + g.unsqueeze(-1) * layer.block.update(x_sel, Positions(rope, idx))
+    torch.testing.assert_close(gather(out, idx), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_residual_added_exactly_once(make_layer, monkeypatch, mode):
+    layer, rope, cfg = make_layer("routing.capacity=0.5")
+    monkeypatch.setattr(layer.router, "forward", lambda x: x[..., :1] + 0.5)  # plenty selected in both modes
+    x = torch.randn(2, 9, cfg.model.d_model)
+    # a block whose update is exactly zero must leave every token exactly as it was
+    with torch.no_grad():
+        layer.block.attn.out.weight.zero_()
+        layer.block.mlp.down.weight.zero_()
+    out, ctx = run_layer(layer, rope, x, mode)
+    assert ctx.stats["l/selected_frac"] > 0
+    assert torch.equal(out, x)
+
+
+def test_selected_tokens_equal_block_output_with_unit_router_weight(make_layer, monkeypatch):
+    # out[idx] = x[idx] + 1 * delta = block(x[idx]); a second residual would give x[idx] + block(x[idx])
+    layer, rope, cfg = make_layer("routing.capacity=0.5")
+    unit_router_weight(monkeypatch, layer)
+    x = torch.randn(2, 10, cfg.model.d_model)
+    out, _ = run_layer(layer, rope, x)
+    idx = layer.router(x).squeeze(-1).topk(5, dim=1).indices.sort(dim=1).values
+    torch.testing.assert_close(gather(out, idx), layer.block(gather(x, idx), Positions(rope, idx)),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unselected_tokens_are_bit_identical(make_layer, mode, dtype):
+    layer, rope, cfg = make_layer("routing.capacity=0.25")
+    layer.to(dtype)
+    x = torch.randn(3, 13, cfg.model.d_model, dtype=dtype)
+    out, ctx = run_layer(layer, rope, x, mode)
+    logits = layer.router(x).squeeze(-1)
+    if mode == "topk":
+        selected = dispatch.indices_to_mask(logits.topk(dispatch.capacity_k(13, 0.25), dim=1).indices, 13)
+    else:
+        selected = logits > 0
+    assert 0 < selected.sum() < selected.numel()
+    assert torch.equal(out[~selected], x[~selected])
+    # the selected ones did change (in bf16 a tiny gated update may round away on some rows)
+    changed = (out[selected] - x[selected]).abs().amax(dim=-1) > 0
+    assert changed.all() if dtype == torch.float32 else changed.any()
+    assert out.dtype == dtype
+
+
+# ----------------------------------------------------------------------------- shapes and k
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 7), (3, 7), (2, 13), (4, 32)])
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_batch_and_odd_lengths(make_model, B, T, mode):
+    model, cfg = make_model(*MOD, "routing.capacity=0.25")
+    amplify(model, router=50.0)
+    tokens = tokens_for(cfg, B, T)
+    out = model(tokens, tokens, options=ForwardOptions(mode=mode))
+    assert out.logits.shape == (B, T, cfg.model.vocab_size)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    if mode == "topk":
+        for name in ("layer_1", "layer_3"):
+            assert out.routing_stats[f"{name}/selected_frac"].item() == pytest.approx(
+                dispatch.capacity_k(T, 0.25) / T)
+
+
+@pytest.mark.parametrize(
+    "T,c,k",
+    [(1, 0.125, 1), (3, 0.125, 1), (8, 0.125, 1), (256, 0.125, 32), (13, 0.25, 3), (7, 0.5, 4),
+     (7, 1.0, 7), (5, 1e-6, 1), (4096, 0.125, 512)],
+)
+def test_capacity_k(T, c, k):
+    assert dispatch.capacity_k(T, c) == k
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7])
+def test_tiny_capacity_still_selects_one_token(make_layer, T):
+    layer, rope, cfg = make_layer("routing.capacity=0.001")
+    B = 3
+    x = torch.randn(B, T, cfg.model.d_model)
+    out, ctx = run_layer(layer, rope, x)
+    changed = (out != x).any(dim=-1)
+    assert changed.sum(dim=1).tolist() == [1] * B
+    assert ctx.stats["l/selected_frac"].item() == pytest.approx(1 / T)
+
+
+@pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
+def test_causal_mode_with_no_token_selected(make_layer, make_model, monkeypatch, causal_method):
+    layer, rope, cfg = make_layer(f"routing.causal_method={causal_method}")
+    # force every decision logit negative: router [B, T, 1] or predictor [B, T]
+    if causal_method == "aux_loss":
+        monkeypatch.setattr(layer.router, "forward", lambda h: -1.0 - h.square().sum(-1, keepdim=True))
+    else:
+        monkeypatch.setattr(layer.predictor, "forward", lambda h: -1.0 - h.square().sum(-1))
+    x = torch.randn(2, 7, cfg.model.d_model)
+    out, ctx = run_layer(layer, rope, x, "causal")
+    assert torch.equal(out, x)
+    assert ctx.stats["l/selected_frac"].item() == 0.0
+    # topk mode still selects k >= 1
+    out, ctx = run_layer(layer, rope, x, "topk")
+    assert ctx.stats["l/selected_frac"].item() > 0
+
+    # a whole model whose routers all decline: runs, and backward works
+    model, cfg = make_model(*MOD, f"routing.causal_method={causal_method}")
+    for mod_layer in mod_layers(model):
+        with torch.no_grad():
+            if causal_method == "aux_loss":
+                mod_layer.router.weight.zero_()  # logit 0 is not > 0
+            else:
+                mod_layer.predictor.net[-1].weight.zero_()
+                mod_layer.predictor.net[-1].bias.fill_(-1.0)
+    tokens = tokens_for(cfg, 2, 9)
+    res = model(tokens, tokens, options=ForwardOptions(mode="causal"))
+    assert res.routing_stats["layer_1/selected_frac"].item() == 0.0
+    assert torch.isfinite(res.loss)
+    res.loss.backward()
+
+
+def test_causal_mode_ragged_selection_across_the_batch(make_layer, monkeypatch):
+    # sequence 0 selects nothing, sequence 1 some tokens, sequence 2 all: each equals its own run
+    layer, rope, cfg = make_layer(attn=5.0)
+    B, T, D = 3, 9, cfg.model.d_model
+    x = torch.randn(B, T, D)
+    fixed = torch.randn(B, T)
+    fixed[0] = -fixed[0].abs() - 0.1
+    fixed[2] = fixed[2].abs() + 0.1
+    fixed[1, :] = torch.tensor([1.0, -1, -1, 2, 0.5, -1, -2, 3, -1])
+    monkeypatch.setattr(layer.router, "forward", lambda h: fixed[: h.shape[0]].unsqueeze(-1))
+    out, ctx = run_layer(layer, rope, x, "causal")
+    assert ctx.stats["l/selected_frac"].item() == pytest.approx((0 + 4 + 9) / (B * T))
+    assert torch.equal(out[0], x[0])
+    for b in (1, 2):
+        sel = (fixed[b] > 0).nonzero().squeeze(-1).unsqueeze(0)
+        x_sel = gather(x[b: b + 1], sel)
+        expected = x_sel + fixed[b: b + 1].gather(1, sel).unsqueeze(-1) * layer.block.update(
+            x_sel, Positions(rope, sel))
+        torch.testing.assert_close(gather(out[b: b + 1], sel), expected, rtol=1e-5, atol=1e-6)
+        unselected = fixed[b] <= 0
+        assert torch.equal(out[b][unselected], x[b][unselected])
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_batch_equals_per_sample(make_model, mode):
+    model, cfg = make_model(*MOD, "routing.capacity=0.3")
+    amplify(model, router=50.0, attn=5.0)
+    tokens = tokens_for(cfg, 4, 11)
+    batched = model(tokens, options=ForwardOptions(mode=mode)).logits
+    single = torch.cat([model(tokens[b: b + 1], options=ForwardOptions(mode=mode)).logits for b in range(4)])
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+
+
+class _OpCounter(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__qualname__", repr(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_no_per_sample_python_loop(make_model, mode):
+    # The number of torch calls a forward makes does not depend on the batch size.
+    model, cfg = make_model(*MOD, "routing.causal_method=predictor")
+    counts = []
+    for B in (1, 6):
+        with _OpCounter() as counter:
+            model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode))
+        counts.append(counter.calls)
+    assert sum(counts[0].values()) > 50
+    assert counts[0] == counts[1]
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _capture_router_logits(model):
+    captured = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer, MoDLayer):
+            layer.router.register_forward_hook(
+                lambda mod, inp, out, i=i: captured.__setitem__(i, out.detach().squeeze(-1)))
+    return captured
+
+
+def test_selected_frac_and_router_stats(make_model):
+    model, cfg = make_model(*MOD, "routing.capacity=0.25")
+    amplify(model, router=50.0)
+    captured = _capture_router_logits(model)
+    T = 13
+    tokens = tokens_for(cfg, 3, T)
+    out = model(tokens)
+    for i in (1, 3):
+        stats = {k.split("/")[1]: v for k, v in out.routing_stats.items() if k.startswith(f"layer_{i}/")}
+        assert set(stats) == {"selected_frac", "router_logit_mean", "router_logit_std", "causal_agreement"}
+        assert stats["selected_frac"].item() == pytest.approx(3 / 13)  # k = round(3.25) = 3
+        assert stats["router_logit_mean"].item() == pytest.approx(captured[i].mean().item(), abs=1e-6)
+        assert stats["router_logit_std"].item() == pytest.approx(captured[i].std().item(), abs=1e-6)
+        assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+    out = model(tokens, options=ForwardOptions(mode="causal"))
+    for i in (1, 3):
+        frac = out.routing_stats[f"layer_{i}/selected_frac"].item()
+        assert frac == pytest.approx((captured[i] > 0).float().mean().item())
+        assert 0 < frac < 1
+        assert f"layer_{i}/causal_agreement" not in out.routing_stats  # needs top-k to compare with
+
+
+@pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
+def test_causal_agreement(make_layer, causal_method):
+    layer, rope, cfg = make_layer(f"routing.causal_method={causal_method}", "routing.capacity=0.25")
+    x = torch.randn(4, 16, cfg.model.d_model)
+    _, ctx = run_layer(layer, rope, x)
+    agreement = ctx.stats["l/causal_agreement"]
+    assert 0.0 <= agreement.item() <= 1.0
+    logits = layer.router(x).squeeze(-1)
+    selected = dispatch.indices_to_mask(logits.topk(4, dim=1).indices, 16)
+    decision = (logits if causal_method == "aux_loss" else layer.predictor(x)) > 0
+    assert agreement.item() == pytest.approx((decision == selected).float().mean().item())
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+@pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
+def test_causal_mode_is_causal(make_model, causal_method):
+    model, cfg = make_model(*MOD, f"routing.causal_method={causal_method}", "routing.capacity=0.25")
+    amplify(model, router=50.0, attn=5.0)
+    if causal_method == "predictor":
+        with torch.no_grad():  # a predictor that is not ~0 everywhere, so decisions vary with input
+            for layer in mod_layers(model):
+                layer.predictor.net[-1].weight.mul_(50.0)
+    T = 16
+    tokens = tokens_for(cfg, 2, T)
+    base = model(tokens, options=ForwardOptions(mode="causal"))
+    for name in ("layer_1", "layer_3"):
+        assert 0 < base.routing_stats[f"{name}/selected_frac"].item() < 1
+    for t in (0, 3, 8, 14):
+        changed = tokens.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] * 7 + 3) % cfg.model.vocab_size
+        logits = model(changed, options=ForwardOptions(mode="causal")).logits
+        torch.testing.assert_close(logits[:, : t + 1], base.logits[:, : t + 1], rtol=0, atol=1e-5)
+        assert (logits[:, t + 1:] - base.logits[:, t + 1:]).abs().max() > 1e-3
+
+
+def test_topk_mode_is_not_causal(make_model):
+    """Top-k over the sequence sees the future: a later token can push an earlier one out of the
+    selection and so change earlier logits. That is why `topk` is for training only and
+    evaluation/sampling must use ForwardOptions(mode="causal")."""
+    model, cfg = make_model(*MOD, "routing.capacity=0.125")
+    amplify(model, router=50.0, attn=5.0)
+    T, t = 16, 7
+    tokens = tokens_for(cfg, 1, T)
+    base = model(tokens).logits
+    worst = 0.0
+    for trial in range(20):
+        changed = tokens.clone()
+        changed[:, t + 1:] = tokens_for(cfg, 1, T - t - 1, seed=100 + trial)
+        worst = max(worst, (model(changed).logits[:, : t + 1] - base[:, : t + 1]).abs().max().item())
+        if worst > 1e-3:
+            break
+    assert worst > 1e-3  # far above the 1e-5 the causal mode is held to
+
+
+# ----------------------------------------------------------------------------- auxiliary losses
+
+
+def test_aux_loss_method_adds_router_bce(make_model):
+    model, cfg = make_model(*MOD, "routing.causal_method=aux_loss", "routing.aux_loss_weight=0.5",
+                            "routing.capacity=0.25")
+    captured = _capture_router_logits(model)
+    tokens = tokens_for(cfg, 2, 16)
+    out = model(tokens, tokens)
+    assert set(out.aux_losses) == {"layer_1/router_bce", "layer_3/router_bce"}
+    for i in (1, 3):
+        logits = captured[i]
+        target = dispatch.indices_to_mask(logits.topk(4, dim=1).indices, 16).float()
+        expected = 0.5 * F.binary_cross_entropy_with_logits(logits, target)
+        torch.testing.assert_close(out.aux_losses[f"layer_{i}/router_bce"].detach(), expected)
+    torch.testing.assert_close(out.loss, out.lm_loss + sum(out.aux_losses.values()))
+    # the BCE trains the router
+    grad = torch.autograd.grad(out.aux_losses["layer_1/router_bce"], mod_layers(model)[0].router.weight)[0]
+    assert grad.abs().max() > 0
+
+    assert model(tokens, tokens, options=ForwardOptions(mode="causal")).aux_losses == {}  # evaluation: no aux loss
+    off, _ = make_model(*MOD, "routing.aux_loss_weight=0")
+    res = off(tokens, tokens)
+    assert res.aux_losses == {} and res.loss is res.lm_loss
+
+
+def test_predictor_method_adds_predictor_bce(make_model):
+    model, cfg = make_model(*MOD, "routing.causal_method=predictor", "routing.predictor_loss_weight=0.25",
+                            "routing.predictor_hidden=16")
+    tokens = tokens_for(cfg, 2, 16)
+    out = model(tokens, tokens)
+    assert set(out.aux_losses) == {"layer_1/predictor_bce", "layer_3/predictor_bce"}
+    assert all(torch.isfinite(v) and v > 0 for v in out.aux_losses.values())
+    torch.testing.assert_close(out.loss, out.lm_loss + sum(out.aux_losses.values()))
+    assert all(layer.predictor.net[0].out_features == 16 for layer in mod_layers(model))
+    # aux_loss models have no predictor at all
+    plain, _ = make_model(*MOD, "routing.causal_method=aux_loss")
+    assert all(layer.predictor is None for layer in mod_layers(plain))
+
+
+def test_predictor_reads_a_stop_gradient_copy(make_model):
+    model, cfg = make_model(*MOD, "routing.causal_method=predictor")
+    tokens = tokens_for(cfg, 2, 16)
+    out = model(tokens, tokens)
+    predictor_loss = sum(v for k, v in out.aux_losses.items() if k.endswith("predictor_bce"))
+    named = list(model.named_parameters())
+    grads = torch.autograd.grad(predictor_loss, [p for _, p in named], allow_unused=True)
+    for (name, _), grad in zip(named, grads):
+        if ".predictor." in name:
+            if name.endswith("weight"):
+                assert grad is not None and grad.abs().max() > 0, name
+        else:
+            assert grad is None or not grad.any(), f"predictor loss leaked into {name}"
+    # while the LM loss does reach the blocks and the embedding
+    lm_grads = torch.autograd.grad(out.lm_loss, [model.embed.weight, mod_layers(model)[0].block.attn.qkv.weight])
+    assert all(g.abs().max() > 0 for g in lm_grads)
+
+
+# ----------------------------------------------------------------------------- dispatch primitives
+
+
+def test_dispatch_primitives():
+    scores = torch.tensor([[0.1, 0.9, 0.3, 0.8, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    idx = dispatch.topk_indices(scores, 2)
+    assert idx.tolist() == [[1, 3], [0, 1]]
+    mask = torch.tensor([[False, True, False, True, False], [False] * 5, [True] * 5])
+    order, valid = dispatch.mask_indices(mask)
+    assert order.shape == (3, 5)
+    assert order[0, :2].tolist() == [1, 3] and valid[0].tolist() == [True, True, False, False, False]
+    assert not valid[1].any()
+    assert order[2].tolist() == [0, 1, 2, 3, 4] and valid[2].all()
+    assert torch.equal(dispatch.indices_to_mask(idx, 5), torch.tensor(
+        [[False, True, False, True, False], [True, True, False, False, False]]))
+    x = torch.randn(2, 5, 3)
+    out = reference.combine(x, idx, torch.full((2, 2), 2.0), torch.ones(2, 2, 3))
+    assert torch.equal(out[0, [0, 2, 4]], x[0, [0, 2, 4]])
+    torch.testing.assert_close(out[0, [1, 3]], x[0, [1, 3]] + 2.0)
+    assert torch.equal(reference.gather(x, idx)[1], x[1, :2])

@@ -1,0 +1,59 @@
+"""Incremental decoding with megaroute's routing-aware KV cache equals the full causal forward."""
+
+import pytest
+import torch
+
+from megaroute.model import ForwardOptions
+
+PROMPT, TOTAL = 9, 24
+
+
+def _incremental(model, x, mode):
+    cache = model.new_cache()
+    parts = [model(x[:, :PROMPT], options=ForwardOptions(mode=mode, cache=cache)).logits]
+    for t in range(PROMPT, x.shape[1]):
+        parts.append(model(x[:, t:t + 1], options=ForwardOptions(mode=mode, cache=cache)).logits)
+    return torch.cat(parts, dim=1), cache
+
+
+@pytest.mark.parametrize("method", ["none", "mod", "stride", "halting", "depth_gate", "early_exit"])
+@pytest.mark.parametrize("mode", ["causal", "hard"])
+@torch.no_grad()
+def test_cached_decoding_equals_full_forward(make_model, method, mode):
+    model, _ = make_model(f"routing.method={method}", "routing.capacity=0.5", "routing.early_exit.threshold=0.3")
+    model.eval()
+    x = torch.randint(0, 97, (3, TOTAL))  # a batch: ragged routing pads rows that must never become keys
+    full = model(x, options=ForwardOptions(mode=mode)).logits
+    inc, cache = _incremental(model, x, mode)
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-5)
+    assert cache.seen == TOTAL
+
+
+@torch.no_grad()
+def test_routed_out_tokens_write_no_keys(make_model):
+    model, cfg = make_model("routing.method=mod", "routing.capacity=0.5")
+    model.eval()
+    x = torch.randint(0, 97, (1, TOTAL))
+    _, cache = _incremental(model, x, "causal")
+    stored = cache.stored_tokens()
+    for i in range(cfg.model.n_layers):
+        routed = cfg.routing.is_routed(i)
+        # Dense layers cache every token; a routed layer exactly the tokens its causal decider kept.
+        assert (stored[i] < TOTAL) if routed else (stored[i] == TOTAL)
+    assert 0 < min(stored)
+
+
+@torch.no_grad()
+def test_cache_refuses_what_it_cannot_do(make_model):
+    model, _ = make_model("routing.method=mod")
+    model.eval()
+    with pytest.raises(ValueError, match="routing_mode 'causal' or 'hard'"):
+        model(torch.zeros(1, 4, dtype=torch.long), options=ForwardOptions(mode="topk", cache=model.new_cache()))
+    first_k, _ = make_model("routing.method=first_k")
+    with pytest.raises(ValueError, match="cannot decode incrementally"):
+        first_k.eval()(torch.zeros(1, 4, dtype=torch.long),
+                       options=ForwardOptions(mode="causal", cache=first_k.new_cache()))
+    cache = model.new_cache()
+    model(torch.zeros(1, 60, dtype=torch.long), options=ForwardOptions(mode="causal", cache=cache))
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
+        model(torch.zeros(1, 5, dtype=torch.long), options=ForwardOptions(mode="causal", cache=cache))

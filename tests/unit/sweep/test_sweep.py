@@ -1,0 +1,190 @@
+"""Sweep spec validation, planning (budgets, order, overrides), isoFLOP fits and the analyze command."""
+
+from __future__ import annotations
+
+import csv
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaroute.cli import main
+from megaroute.config import load_config
+from megaroute.sweep import analyze as A
+from megaroute.sweep.plan import plan
+from megaroute.sweep.spec import SweepSpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "configs/sweeps/tiny.yaml"
+
+
+def _spec(tmp_path, text: str) -> str:
+    path = tmp_path / "spec.yaml"
+    path.write_text(text.replace("CONFIGS", str(REPO / "configs")))
+    return str(path)
+
+
+GOOD = """
+name: s
+budgets: [2.0e+10]
+sizes: {a: [model.d_model=32, model.n_heads=2]}
+variants: {dense: {config: "CONFIGS/tiny.yaml"}}
+overrides: [train.global_batch_size=8, train.micro_batch_size=4, data.seq_len=64]
+gpu: cpu
+"""
+
+
+@pytest.mark.parametrize("change, key", [
+    (("name: s", "nme: s"), "nme"),
+    (("budgets: [2.0e+10]", "budgets: [0]"), "budgets[0]"),
+    (("budgets: [2.0e+10]", "budgets: [lots]"), "budgets[0]"),
+    (("CONFIGS/tiny.yaml", "CONFIGS/missing_{size}.yaml"), "variants.dense.config"),
+    (("gpu: cpu", "gpu: k80"), "gpu"),
+    (("data.seq_len=64]", "data.seq_len]"), "overrides[2]"),
+])
+def test_spec_errors_name_the_key(tmp_path, change, key):
+    with pytest.raises(SweepSpecError) as e:
+        load_spec(_spec(tmp_path, GOOD.replace(*change)))
+    assert f"sweep key '{key}'" in str(e.value) and "spec.yaml" in str(e.value)
+
+
+def test_budget_too_small_for_whole_steps_is_refused(tmp_path):
+    spec = load_spec(_spec(tmp_path, GOOD.replace("2.0e+10", "1.0e+9")))
+    with pytest.raises(SweepSpecError, match=r"4 steps of 512 tokens miss budget 1e\+09 by \+5.70% \(tolerance 1%\)"):
+        plan(spec)
+
+
+@pytest.mark.parametrize("spec_file", ["tiny.yaml", "isoflop.yaml"])
+def test_plan_meets_every_budget_within_one_percent(spec_file):
+    spec = load_spec(str(REPO / "configs/sweeps" / spec_file))
+    points = plan(spec)
+    assert len(points) == len(spec.budgets) * len(spec.sizes) * len(spec.variants) * len(spec.seeds)
+    assert [p.index for p in points] == list(range(len(points)))
+    for p in points:
+        assert abs(p.tokens * p.flops_per_token - p.budget) <= 0.01 * p.budget, p
+        assert p.gpu_hours > 0 and p.n_params > 0
+
+
+def test_point_config_carries_steps_tags_and_parent():
+    p = plan(load_spec(str(TINY)), ("train.log_interval=5",), parent_run_id="abc123")[5]
+    cfg = load_config(p.config_path, p.overrides)
+    assert (p.budget, p.size, p.variant) == (4e10, "d32", "mod")
+    assert cfg.name == p.run_name == "tiny-isoflop-mod-d32-C4e10-s0"
+    assert cfg.train.max_steps == p.steps and cfg.train.max_flops is None and cfg.train.log_interval == 5
+    assert cfg.routing.method == "mod" and cfg.model.d_model == 32
+    assert cfg.tracking.parent_run_id == "abc123"
+    assert cfg.tracking.tags == {"sweep_id": "tiny-isoflop", "budget": "4e+10", "size": "d32", "variant": "mod",
+                                 "seed": "0", "sweep_index": "5", "n_params": str(p.n_params)}
+
+
+def test_point_command_prints_pretrain_sh_arguments(capsys):
+    assert main(["sweep", "point", str(TINY), "--index", "2"]) == 0
+    args = shlex.split(capsys.readouterr().out)
+    assert args[:4] == ["--gpu", "cpu", "--config", "configs/tiny.yaml"]
+    assert "name=tiny-isoflop-dense-d64-C2e10-s0" in args
+    assert main(["sweep", "point", str(TINY), "--index", "8"]) == 2
+
+
+def test_plan_dry_run_shows_array_and_commands(capsys):
+    assert main(["sweep", "plan", str(TINY), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--array=0-7" in out and "8 points" in out
+    assert out.count("slurm/pretrain.sh --gpu cpu --config configs/tiny") == 8
+
+
+# ---- fits ----
+
+def _parabola_losses(params, n_opt, l_opt, curvature=0.3):
+    return [l_opt + curvature * (np.log10(n) - np.log10(n_opt)) ** 2 for n in params]
+
+
+def test_parabola_vertex_recovers_the_optimum():
+    params = [1e8, 2e8, 4e8, 8e8, 1.6e9]
+    n, loss, how, coeffs = A.fit_optimum(params, _parabola_losses(params, 3e8, 2.5))
+    assert how == "parabola" and n == pytest.approx(3e8, rel=1e-6) and loss == pytest.approx(2.5)
+
+
+def test_edge_minimum_or_two_sizes_fall_back_to_best_measured():
+    params = [1e8, 2e8, 4e8]
+    n, _, how, _ = A.fit_optimum(params, _parabola_losses(params, 1e9, 2.5))  # vertex beyond the largest size
+    assert (n, how) == (4e8, "best measured")
+    n, loss, how, coeffs = A.fit_optimum([1e8, 2e8], [3.0, 2.9])
+    assert (n, loss, how, coeffs) == (2e8, 2.9, "best measured", None)
+
+
+def test_bootstrap_interval_across_seeds_brackets_the_fit_and_widens_with_noise():
+    params = [1e8, 2e8, 4e8, 8e8, 1.6e9]
+
+    def fit(noise: float):
+        rng = np.random.default_rng(1)
+        rows = [("dense", 1e19, int(p), seed, loss + rng.normal(0, noise))
+                for seed in range(4) for p, loss in zip(params, _parabola_losses(params, 3e8, 2.5))]
+        (f,) = A.isoflop_fits(rows)
+        assert f.points == 20 and f.n_interval[0] <= f.n_opt <= f.n_interval[1]
+        return f
+
+    exact, small, large = fit(0.0), fit(0.01), fit(0.05)
+    assert exact.n_interval == pytest.approx((3e8, 3e8)) and exact.loss_interval == pytest.approx((2.5, 2.5))
+    width = lambda f: np.log(f.n_interval[1] / f.n_interval[0])  # noqa: E731
+    assert 0 < width(small) < width(large)
+    assert 1e8 < small.n_opt < 1e9 and small.loss_interval[0] < 2.5 + 0.02
+
+
+def test_frontier_recovers_the_scaling_exponent():
+    params = np.geomspace(1e7, 1e10, 9)
+    rows = []
+    for budget in (1e18, 1e19, 1e20):
+        n_opt = 0.1 * budget ** 0.5
+        rows += [("mod", budget, int(p), 0, loss) for p, loss in zip(params, _parabola_losses(params, n_opt, 3.0))]
+    fits = A.isoflop_fits(rows)
+    (front,) = A.frontiers(fits)
+    assert front.exponent == pytest.approx(0.5, abs=1e-3) and front.n_opt(1e19) == pytest.approx(0.1 * 1e19 ** 0.5,
+                                                                                                 rel=1e-2)
+
+
+# ---- analyze against a real (SQLite) MLflow store ----
+
+def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("tiny-isoflop", artifact_location=f"file://{tmp_path}/artifacts")
+    parent = client.create_run(exp, tags={"sweep_id": "tiny-isoflop", "sweep_role": "parent"}).info.run_id
+    points = plan(load_spec(str(TINY)))
+    for p in points:
+        run = client.create_run(exp, run_name=p.run_name, tags={**load_config(p.config_path, p.overrides).tracking.tags,
+                                                                 "mlflow.parentRunId": parent})
+        loss = 3.0 - 0.1 * (p.size == "d64") - 0.05 * (p.variant == "mod")
+        client.log_metric(run.info.run_id, "val/loss", loss)
+        if p.variant == "mod":  # routed runs also log their causal-decision loss
+            client.log_metric(run.info.run_id, "val/loss_causal", loss + 0.2)
+        client.set_terminated(run.info.run_id, "FINISHED" if p.index != 7 else "FAILED")
+
+    assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out/isoflop_table.md").read_text()
+    assert "| mod | 4e+10 |" in table and "best measured" in table and "Runs left out" in table
+    assert "tiny-isoflop-mod-d64-C4e10-s0" in table  # the FAILED one
+    assert (tmp_path / "out/isoflop_curves.png").read_bytes()[:4] == b"\x89PNG"
+    logged = {a.path for a in client.list_artifacts(parent, "analysis")}
+    assert "analysis/isoflop_frontier.png" in logged and "analysis/isoflop_table.csv" in logged
+
+    # Default: the causal (no future information) loss where a run has one; --metric topk: val/loss.
+    assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "topk"),
+                 "--metric", "topk"]) == 0
+    assert "Loss: final val/loss_causal or val/loss" in table
+    assert "Loss: final val/loss of" in (tmp_path / "topk/isoflop_table.md").read_text()
+
+    def optimum(out, variant):
+        rows = list(csv.DictReader(open(tmp_path / out / "isoflop_table.csv")))
+        return [float(r["loss_opt"]) for r in rows if r["variant"] == variant]
+
+    assert optimum("out", "mod") == pytest.approx([x + 0.2 for x in optimum("topk", "mod")])
+    assert optimum("out", "dense") == optimum("topk", "dense")
+
+    capsys.readouterr()
+    assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "--metric", "val/loss",
+                 "--out", str(tmp_path / "cmp.png"), points[0].run_name, points[1].run_name]) == 0
+    assert (tmp_path / "cmp.png").exists() and "val/loss=3.0000" in capsys.readouterr().out
+    assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "no-such-run"]) == 1
