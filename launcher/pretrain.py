@@ -9,9 +9,17 @@ Exit codes: 0 done, 2 bad config/data, 3 too many non-finite steps, 75 stopped b
 after a checkpoint (requeue to resume).
 """
 
+import os
 import sys
 
 from megaroute.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter teardown: main() has released the process group, closed the
+    # tracker and reported its outcome, and the C++ destructors of the communication stack can
+    # abort (SIGABRT, "terminate called without an active exception") when a peer rank exited
+    # first, turning a clean exit code (e.g. 2 on all-corrupt checkpoints) into 250.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
