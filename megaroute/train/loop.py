@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -158,7 +157,6 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         engine, mb = self.engine, self.micro_batch_size
-        as_t = functools.partial(torch.as_tensor, dtype=torch.float64, device=engine.device)
         engine.eval()
         out = {}
         for suffix, mode in self.modes.items():
@@ -169,13 +167,13 @@ class Evaluator:
                 x, y = next(batches)
                 result = engine(x.to(engine.device), y.to(engine.device), options=ForwardOptions(mode=mode))
                 stats = result.routing_stats
-                full = [as_t(v) for k, v in stats.items() if k.endswith("/full_frac")]
+                full = [v for k, v in stats.items() if k.endswith("/full_frac")]
                 for key, value in (("loss", result.lm_loss), ("tlops_frac", stats.get("tlops_frac")),
-                                   ("full_frac", torch.stack(full).mean() if full else None)):
+                                   ("full_frac", sum(full) / len(full) if full else None)):
                     if value is not None:
-                        sums[key] = sums[key] + as_t(value) if key in sums else as_t(value)
+                        _accumulate(sums, key, value, 1 / self.batches, engine.device)
             keys = sorted(sums)
-            means = collectives.all_reduce(torch.stack([sums[k] for k in keys]) / self.batches, engine.device)
+            means = collectives.all_reduce(torch.stack([sums[k] for k in keys]), engine.device)
             means = (means / collectives.world_size()).tolist()
             out.update({f"val/{k}{suffix}": v for k, v in zip(keys, means)})
         if "val/loss_hard" in out:
