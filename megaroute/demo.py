@@ -12,6 +12,7 @@ import time
 
 from mlflow.tracking import MlflowClient
 
+from . import metric_names as names
 from .config import load_config
 from .flops import flops_per_token
 from .train.tracking import default_uri
@@ -37,10 +38,16 @@ def _summary(cfg, run_name: str) -> dict:
     run = client.search_runs([exp.experiment_id], f"attributes.run_name = '{run_name}'",
                              order_by=["attributes.start_time DESC"], max_results=1)[0]
     m = run.data.metrics
-    return {"run": run_name, "status": run.info.status, "val_loss": m.get("val/loss", float("nan")),
-            "val_loss_causal": m.get("val/loss_causal", float("nan")), "tokens_per_s": m.get("perf/tokens_per_s", 0.0),
+    nan = float("nan")
+    return {"run": run_name, "status": run.info.status, "loss": m.get(names.LOSS, nan),
+            "exec_frac": m.get(names.EXEC_FRAC, nan), "loss_topk": m.get(names.TOPK_LOSS, nan),
+            "tokens_per_s": m.get("perf/tokens_per_s", 0.0),
             "flops_per_token": flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True),
             "mfu": m.get("perf/mfu", float("nan")), "run_id": run.info.run_id}
+
+
+def _opt(value: float, fmt: str) -> str:
+    return "-" if value != value else format(value, fmt)  # dense has no routing figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,13 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         _launch(config, name, args.nprocs, overrides)
         rows.append((variant, _summary(cfg, name)))
     print(f"\nmegaroute demo: dense vs Mixture-of-Depths on tinyshakespeare ({time.time() - start:.0f}s)\n")
-    header = f"{'variant':<8} {'val loss':>9} {'val (causal)':>12} {'tokens/s':>10} {'FLOPs/token':>12} {'MFU':>7}"
+    header = (f"{'variant':<8} {'eval/loss':>9} {'exec frac':>9} {'top-k loss*':>11} {'tokens/s':>10} "
+              f"{'FLOPs/token':>12} {'MFU':>7}")
     print(header)
     print("-" * len(header))
     for variant, r in rows:
-        causal = f"{r['val_loss_causal']:.4f}" if r["val_loss_causal"] == r["val_loss_causal"] else "-"  # dense: none
-        print(f"{variant:<8} {r['val_loss']:>9.4f} {causal:>12} {r['tokens_per_s']:>10,.0f} "
-              f"{r['flops_per_token']:>12.3e} {100 * r['mfu']:>6.2f}%")
+        print(f"{variant:<8} {r['loss']:>9.4f} {_opt(r['exec_frac'], '.3f'):>9} {_opt(r['loss_topk'], '.4f'):>11} "
+              f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token']:>12.3e} {100 * r['mfu']:>6.2f}%")
+    print(f"\n{names.LOSS_LABEL}; exec frac: fraction of tokens through each routed block in that mode.\n"
+          "* top-k loss: routed as in training, by sequence-wide top-k, which sees future tokens; not comparable.")
     dense, mod = rows[0][1], rows[1][1]
     print(f"\nMoD/dense: FLOPs per token x{mod['flops_per_token'] / dense['flops_per_token']:.3f}, "
           f"throughput x{mod['tokens_per_s'] / max(dense['tokens_per_s'], 1e-9):.3f}. "

@@ -24,6 +24,18 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
   Deliberately ignored hardware details: flash-attention backward recomputes QK^T (2.5 x
   forward for the scores), and the predictor reads a detached input (1 x forward for its first
   layer) - FlopCounterMode on real kernels sees these; MFU conventions do not.
+* Activation recomputation (`activation_checkpointing=True`): the forward FLOPs non-reentrant
+  `torch.utils.checkpoint` (TransformerBlock.recomputed) reruns in backward, counted as
+  FlopCounterMode counts them (matmuls and the SDPA forward, full T x T) and equal to its
+  checkpointing-on minus checkpointing-off difference (tests/unit/test_flops.py). The rerun of a
+  checkpointed piece stops once every tensor it saved for backward is back (early stop, torch's
+  default), and a matmul's operands are saved before it runs, so each piece's final matmul (its
+  output is saved by nothing) is not rerun: a block's `update` reruns all but the MLP's down
+  projection; the depth gate's attention piece all but its output projection, its FFN pair
+  (full, then cheap) all but the cheap FFN's down projection. Routers, gates, predictors, exit
+  heads and the LM head run outside the checkpoints and are never rerun. Megatron's
+  full-recomputation formula (4 x the layers' forward) also counts the down projections: ~22%
+  more than torch reruns at 1B.
 * Causal (inference) routing decides per token, so the tokens a routed block processes vary;
   the estimate assumes the trained capacity k, which is what the causal decider targets.
 * Capacity baselines (random / stride / first_k) are MoD without a router; stride processes
@@ -52,8 +64,8 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
   (1 x) when its weight trains. So: nothing upstream of the first gated block; there, only the
   controller (its first matmuls read a no-grad hidden state: weight gradient only); downstream,
   frozen matmuls (LM head included) 1 x, attention scores 2 x, the controller 2 x.
-  No-grad passes are unchanged. Activation recomputation skips checkpointed pieces that need no
-  grad (everything before the first gated block and its attention).
+  No-grad passes are unchanged. Activation recomputation skips checkpointed pieces that save no
+  tensor for backward (everything before the first gated block and its attention).
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ import torch
 
 from .config import Config, ModelConfig, RoutingConfig
 from .model.routing import METHODS, block_flops, method_spec
+from .model.routing.spec import block_recompute
 
 BACKWARD_FACTOR = 2  # backward = grad w.r.t. inputs + grad w.r.t. weights = 2 x forward
 
@@ -189,17 +202,20 @@ def estimate_flops(
         if routed:  # the method's terms (megaroute.model.routing.spec.MethodSpec)
             n, terms = spec.tokens(routing, T), spec.layer_flops(model, routing, T)
             fwd, extra, inputs = dict(terms.forward), terms.train_extra, terms.controller_inputs
+            rerun = block_recompute(n, d, ffn) if terms.recompute is None else terms.recompute
+            rerun_controller = terms.controller_recompute
             _add(no_grad, terms.no_grad)
         else:
             n, fwd, extra, inputs = T, block_flops(T, d, ffn), {}, {}
+            rerun, rerun_controller = block_recompute(T, d, ffn), {}
         tokens.append(n)
         layer_forward.append(sum(fwd.values()))
         _add(comp, fwd)
         _add(train_extra, extra)
         train_layer = dict(fwd)
         _add(train_layer, extra)
-        if activation_checkpointing:  # the layers' training forward; frozen base: from the first gated FFN pair
-            recompute += sum(f for c, f in train_layer.items() if grad_in or (routed and c in ("mlp", "cheap")))
+        if activation_checkpointing:  # frozen base: nothing before the first gated block's controller
+            recompute += sum((rerun if grad_in else rerun_controller).values())
         if frozen_base:
             _add(frozen_bwd, _frozen_backward(train_layer, grad_in, inputs))
             grad_in = grad_in or routed

@@ -4,6 +4,13 @@ Builds the model on the meta device (structure only, no memory) and reports para
 (total and non-embedding), model FLOPs per token for training and inference with their
 breakdown (megaroute.flops), and per-GPU memory for a ZeRO stage / TP / DP layout
 (megaroute.memory: DeepSpeed's estimators for model states, our activation estimate).
+
+Routed methods also get their training FLOPs against the dense model of the same shape (every
+weight trained), two figures side by side: the proxy (3 x the training forward + no-grad passes,
+the convention published ratios use) and, where megaroute.flops models it (the depth gate), what
+controller-only training (train.controller_only, frozen base) executes: the full forward, the
+backward only where the controller's gradient flows. Both name what they assume (the depth
+gate's oracle passes per step: `routing.depth_gate.oracle_layers`).
 """
 
 from __future__ import annotations
@@ -13,12 +20,12 @@ import json
 
 from torch import nn
 
-from .config import Config, load_config
+from .config import Config, RoutingConfig, load_config
 from .config.cli import add_config_args
-from .flops import COMPONENTS, config_flops, training_proxy
+from .flops import COMPONENTS, config_flops, estimate_flops, training_proxy
 from .memory import estimate_memory
 from .model import build_model
-from .model.routing import is_controller_param, method_spec
+from .model.routing import METHODS, is_controller_param, method_spec
 from .parallel import TensorParallelModule
 
 
@@ -68,6 +75,29 @@ def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: 
         },
         "memory": memory.as_dict(),
         "train_proxy": training_proxy(cfg.model, cfg.routing, cfg.data.seq_len),
+        "training_vs_dense": training_vs_dense(cfg),
+    }
+
+
+def training_vs_dense(cfg: Config) -> dict:
+    """Training FLOPs per token of the config's method vs the dense model of the same shape: the
+    proxy (3 x training forward + no-grad passes) and, for methods whose spec sets
+    frozen_base_flops, what controller-only training executes (None otherwise)."""
+    T, spec, ckpt = cfg.data.seq_len, method_spec(cfg.routing.method), cfg.parallel.activation_checkpointing
+    dense = estimate_flops(cfg.model, RoutingConfig(), T).train
+    proxy = estimate_flops(cfg.model, cfg.routing, T, activation_checkpointing=ckpt)
+    executed = (estimate_flops(cfg.model, cfg.routing, T, activation_checkpointing=ckpt, frozen_base=True)
+                if spec.frozen_base_flops else None)
+    return {
+        "dense_per_token": dense / T,
+        "assumes": spec.flops_assumes(cfg.model, cfg.routing) if spec.flops_assumes is not None else None,
+        "controller_only": cfg.train.controller_only,
+        "proxy_per_token": proxy.train / T,
+        "proxy_vs_dense": proxy.train / dense,
+        "proxy_recompute_per_token": proxy.recompute / T,
+        "executed_per_token": None if executed is None else executed.train / T,
+        "executed_vs_dense": None if executed is None else executed.train / dense,
+        "executed_recompute_per_token": None if executed is None else executed.recompute / T,
     }
 
 
@@ -113,12 +143,13 @@ def format_report(cfg: Config, info: dict) -> str:
         if value:
             lines.append(f"  {name + ' (no grad)':<22}{_si(value / T, 'FLOP'):>24}")
     lines.append(f"  {'total':<14}{_si(f['inference_per_token'], 'FLOP'):>16}{_si(f['train_per_token'], 'FLOP'):>16}")
-    if r.method != "none":
-        lines.append(f"  training FLOPs vs the full-only (dense) model: {info['train_proxy']:.3f}x")
     if f["recompute"]:
-        lines.append(f"  + activation recomputation {_si(f['recompute'] / T, 'FLOP')} per token (hardware FLOPs)")
+        lines.append(f"  + activation recomputation {_si(f['recompute'] / T, 'FLOP')} per token (hardware FLOPs: "
+                     "what torch's checkpoint reruns: each checkpointed piece but its last matmul)")
+    lines.append(f"  per sequence: forward {_si(f['forward'], 'FLOP')}, train {_si(f['train'], 'FLOP')}")
+    if r.method != "none":
+        lines += ["", *_training_vs_dense_lines(cfg, info["training_vs_dense"])]
     lines += [
-        f"  per sequence: forward {_si(f['forward'], 'FLOP')}, train {_si(f['train'], 'FLOP')}",
         "",
         f"Memory per GPU: ZeRO-{mem['zero_stage']}, TP {mem['tp']}, DP {mem['dp']}, micro-batch "
         f"{mem['micro_batch']} x {T} tokens, {mem['precision']}"
@@ -129,6 +160,32 @@ def format_report(cfg: Config, info: dict) -> str:
         f"  total          {_gib(mem['total_bytes']):>12}   (+10-20% for temporaries and fragmentation)",
     ]
     return "\n".join(lines)
+
+
+def _training_vs_dense_lines(cfg: Config, t: dict) -> list[str]:
+    dense = t["dense_per_token"]
+    lines = [f"Training FLOPs per token vs the dense model of the same shape (every weight trained, "
+             f"3 x forward): {_si(dense, 'FLOP')}"]
+    if t["assumes"]:
+        lines.append(f"  assumes: {t['assumes']}")
+    this_run = "  <- this run (train.controller_only: {})".format("true" if t["controller_only"] else "false")
+    rows = [("proxy: 3 x training forward + no-grad passes (MFU convention)", t["proxy_per_token"],
+             t["proxy_vs_dense"], t["proxy_recompute_per_token"], "" if t["controller_only"] else this_run)]
+    if t["executed_per_token"] is not None:
+        rows.append(("executed, controller-only: full forward, backward to the controller",
+                     t["executed_per_token"], t["executed_vs_dense"], t["executed_recompute_per_token"],
+                     this_run if t["controller_only"] else ""))
+    width = max(len(row[0]) for row in rows)
+    lines.append(f"  {'figure':<{width}}{'per token':>16}{'vs dense':>10}")
+    for label, per_token, ratio, recompute, mark in rows:
+        lines.append(f"  {label:<{width}}{_si(per_token, 'FLOP'):>16}{ratio:>9.3f}x{mark}")
+        if recompute:
+            lines.append(f"  {'  + activation recomputation (hardware FLOPs)':<{width}}{_si(recompute, 'FLOP'):>16}")
+    if t["executed_per_token"] is None and t["controller_only"]:
+        modelled = ", ".join(name for name, spec in METHODS.items() if spec.frozen_base_flops)
+        lines.append(f"  executed, controller-only: not modelled for {cfg.routing.method} (megaroute.flops models "
+                     f"frozen-base training for {modelled})")
+    return lines
 
 
 def add_parser(sub) -> None:

@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bins", type=int, default=5, help="entropy quantile bins")
     p.add_argument("--out", help="report directory (default: <run dir>/audit)")
-    p.add_argument("--experiment", help="MLflow experiment whose runs, grouped by variant and seed, give the "
-                                        "seed-variance section")
+    p.add_argument("--experiment", help="MLflow experiment whose FINISHED runs, grouped by variant and seed, give "
+                                        "the seed-variance section (final eval/loss, Student-t intervals)")
     p.add_argument("--mlflow-uri", help="tracking URI (default: the run's tracking.uri or its local store)")
     p.add_argument("--run-id", help="MLflow run to attach the report to as artifacts")
     p.add_argument("--seed", type=int, default=0)
@@ -44,13 +44,15 @@ def run(args) -> int:
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     model, cfg = load_run_model(args.checkpoint)
+    uri = args.mlflow_uri or cfg.tracking.uri or default_uri(cfg.runs_dir)
+    # Before the model passes, so a refusal to pool the experiment's runs comes in seconds.
+    seeds = seed_report(uri, args.experiment) if args.experiment else None
     reference = load_run_model(args.reference)[0] if args.reference else None
     batches, tokenizer = batches_for(cfg, args.data, args.tokens, args.batch_size, args.data_dir)
     result = audit_model(model, cfg, batches, reference=reference, bins=args.bins, seed=args.seed)
-    uri = args.mlflow_uri or cfg.tracking.uri or default_uri(cfg.runs_dir)
     run_dir = args.checkpoint if hf else os.path.dirname(find_config(args.checkpoint))
-    if args.experiment:
-        result["seeds"] = seed_report(uri, args.experiment)
+    if seeds is not None:
+        result["seeds"] = seeds
     result["seconds"] = time.perf_counter() - start
     out = args.out or os.path.join(run_dir, "audit")
     paths = write_report(result, out, decode=tokenizer.decode)
@@ -58,5 +60,8 @@ def run(args) -> int:
         log_to_mlflow(uri, args.run_id, paths)
     losses = ", ".join(f"{k} {v:.4f}" for k, v in result["losses"].items())
     print(f"audit of {args.checkpoint} ({result['tokens']:,} tokens, {result['seconds']:.1f} s): {losses}")
+    if seeds is not None and seeds["left_out"]:
+        print(f"seed report: {len(seeds['left_out'])} run(s) left out of the pool (not FINISHED, no "
+              f"{seeds['metric']}, or superseded); listed in audit.md")
     print(f"report: {os.path.join(out, 'audit.md')}", file=sys.stdout)
     return 0

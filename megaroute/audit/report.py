@@ -6,7 +6,8 @@
     stratified        loss by reference-entropy quantile, routed vs reference (dense)
     agreement         causal decisions vs teacher-forced top-k by position, and the loss of each
     routing map       which tokens take which depth on a sample sequence
-    seeds             mean / std / CI of final losses per variant over seeds (from MLflow)
+    seeds             final eval/loss per variant over seeds (FINISHED runs of one budget, length and
+                      data, from MLflow): mean, std, Student-t CI, paired routed-minus-dense differences
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
+from .. import metric_names
 from ..config import Config, ConfigError
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.tokenizers import load_tokenizer
@@ -153,22 +155,149 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
     }
 
 
-def seed_report(uri: str, experiment: str, baseline: str = "dense") -> dict:
-    """Final val/loss per variant and seed from an MLflow experiment -> analysis.seed_variance."""
+# What must be equal for runs to be pooled over seeds (params are the flattened config, see
+# train/run.py `_make_tracker`). Budget: the stopping rule; length: how far a run trained and on how
+# many tokens per step (plus the step of the final loss, from its history); data: the data section
+# (what is read and how it is tokenized; the worker count and shard size do not change the stream)
+# and the prepared data's content hash where the run logged one.
+BUDGET_KEYS = ("tags.budget", "train.max_flops", "train.max_tokens")
+LENGTH_KEYS = ("train.max_steps", "train.global_batch_size", "final step")
+DATA_IGNORED = ("data.num_workers", "data.shard_tokens")
+OPTIONAL_KEYS = ("data.prepared_sha256",)  # logged since issue 16: compared where every run has it
+NOT_LOGGED = "(not logged)"
+
+
+def _describe(run) -> str:
+    return f"{run.info.run_name or '?'} ({run.info.run_id[:8]})"
+
+
+def _facts(run, step: int) -> dict[str, str]:
+    """The values pooled runs must share, by key."""
+    p, tags = run.data.params, run.data.tags
+    facts = {"tags.budget": tags.get("budget", NOT_LOGGED), "final step": str(step)}
+    facts.update({k: p.get(k, NOT_LOGGED) for k in BUDGET_KEYS + LENGTH_KEYS if k not in facts})
+    facts.update({k: v for k, v in p.items() if k.startswith("data.") and k not in DATA_IGNORED})
+    return facts
+
+
+def _differences(runs: list, keys=None) -> dict[str, dict[str, str]]:
+    """key -> {run: value} for every key whose value is not the same in all of `runs` ([(run, facts)])."""
+    keys = keys or sorted({k for _, facts in runs for k in facts})
+    out = {}
+    for k in keys:
+        values = {_describe(r): facts.get(k, NOT_LOGGED) for r, facts in runs}
+        if k in OPTIONAL_KEYS and NOT_LOGGED in values.values():
+            continue
+        if len(set(values.values())) > 1:
+            out[k] = values
+    return out
+
+
+def _refuse(what: str, diffs: dict[str, dict[str, str]], hint: str) -> ConfigError:
+    lines = [f"{k}: " + ", ".join(f"{run} = {v}" for run, v in values.items()) for k, values in diffs.items()]
+    return ConfigError("", f"seed report: refusing to {what}; they differ in\n  " + "\n  ".join(lines) + f"\n{hint}")
+
+
+def _budget_keys(facts: list[dict[str, str]]) -> tuple[str, ...]:
+    """What a routed-minus-baseline pair must share: the data and the budget. Under a FLOP or token
+    budget (an isoFLOP sweep's `budget` tag, train.max_flops, train.max_tokens) the step counts may
+    differ (a cheaper method takes more steps); under a step budget they may not."""
+    budget_set = any(f.get(k, "None") not in ("None", NOT_LOGGED) for f in facts for k in BUDGET_KEYS)
+    data = sorted({k for f in facts for k in f if k.startswith("data.")})
+    return (*BUDGET_KEYS, *(() if budget_set else LENGTH_KEYS), *data)
+
+
+def seed_report(uri: str, experiment: str, baseline: str = "dense", metric: str = metric_names.LOSS,
+                confidence: float = 0.95) -> dict:
+    """Final `metric` (default eval/loss, the autoregressive loss) per variant and seed from an MLflow
+    experiment -> `analysis.seed_variance`, with Student-t intervals and paired differences.
+
+    Runs are grouped by their `variant`, `size` and (isoFLOP sweeps) `budget` tags; a group's label is
+    variant@size[@C<budget>]. Only FINISHED runs are pooled: the others are listed in `left_out` with
+    their status, as are finished runs that never logged `metric` (no fallback to another metric) and
+    older runs of a seed that has a newer finished run. Pooling runs whose budget, length or data
+    differ is refused (ConfigError naming the runs and the values), and so is pairing a routed group
+    with a baseline group (the `baseline` variant of the same size and budget) trained on other data
+    or to another budget.
+    """
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ConfigError("", f"no MLflow experiment {experiment!r} at {uri}")
-    finals: dict[str, dict[str, float]] = {}
-    for run in client.search_runs([exp.experiment_id], max_results=5000):
-        loss = run.data.metrics.get("val/loss")
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            break
+    left_out: list[dict] = []
+
+    def leave_out(run, reason: str) -> None:
+        left_out.append({"run": _describe(run), "run_id": run.info.run_id, "variant": run.data.tags.get("variant"),
+                         "seed": run.data.tags.get("seed"), "status": run.info.status, "reason": reason})
+
+    groups: dict[tuple, dict[str, tuple]] = {}  # (variant, size, budget) -> seed -> (run, final loss, step)
+    # Oldest first (search_runs lists the newest first, which breaks ties), so a newer run of a seed wins.
+    for run in sorted(runs[::-1], key=lambda r: (r.info.end_time or 0, r.info.start_time or 0)):
         tags = run.data.tags
-        if loss is None or "variant" not in tags:
+        if "variant" not in tags:
+            continue  # not a training run (a sweep's parent run, ...)
+        if run.info.status != "FINISHED":
+            leave_out(run, f"status {run.info.status}: only FINISHED runs are pooled")
             continue
-        variant = tags["variant"] + (f"@{tags['size']}" if tags.get("size") else "")
-        finals.setdefault(variant, {})[tags.get("seed", run.info.run_id)] = loss
-    base = next((v for v in finals if v.split("@")[0] == baseline), baseline)
-    return {**analysis.seed_variance(finals, base), "final_losses": finals}
+        history = client.get_metric_history(run.info.run_id, metric)
+        if not history:
+            others = sorted(k for k in run.data.metrics if k.startswith(("val/loss", "eval/")))
+            leave_out(run, f"no {metric} logged (it has {', '.join(others) or 'no validation metric'}; "
+                           f"no other metric stands in for it)")
+            continue
+        last = max(history, key=lambda m: (m.step, m.timestamp))
+        key = (tags["variant"], tags.get("size", ""), tags.get("budget", ""))
+        seed = tags.get("seed", run.info.run_id)
+        group = groups.setdefault(key, {})
+        if seed in group:  # runs sorted by end time: the newer run of a seed replaces the older one
+            leave_out(group[seed][0], f"superseded by the newer finished run {_describe(run)} of seed {seed}")
+        group[seed] = (run, last.value, last.step)
+
+    def label(key: tuple) -> str:
+        variant, size, budget = key
+        return variant + (f"@{size}" if size else "") + (f"@C{budget}" if budget else "")
+
+    facts = {k: {seed: (run, _facts(run, step)) for seed, (run, _, step) in g.items()} for k, g in groups.items()}
+    for key, by_seed in facts.items():
+        diffs = _differences(list(by_seed.values()))
+        if diffs:
+            raise _refuse(f"pool the seeds of {label(key)}", diffs,
+                          "Pool only runs of one configuration: give the others their own experiment, variant or "
+                          "size tag, or delete them.")
+    pairs, notes = {}, []
+    for key in groups:
+        if key[0] == baseline:
+            continue
+        base_key = (baseline, key[1], key[2])
+        if base_key not in groups:
+            notes.append(f"{label(key)}: no {baseline} runs of the same size and budget, no paired difference")
+            continue
+        both = list(facts[key].values()) + list(facts[base_key].values())
+        diffs = _differences(both, _budget_keys([f for _, f in both]))
+        if diffs:
+            raise _refuse(f"pair {label(key)} with {label(base_key)}", diffs,
+                          "A routed-minus-baseline difference needs the same data and the same budget.")
+        pairs[label(key)] = label(base_key)
+    finals = {label(k): {seed: loss for seed, (_, loss, _) in g.items()} for k, g in groups.items()}
+    data_seeds = {label(k): sorted({run.data.params.get("train.data_seed", NOT_LOGGED) for run, _, _ in g.values()})
+                  for k, g in groups.items()}
+    for name, values in data_seeds.items():
+        if len(finals[name]) > 1 and values not in ([NOT_LOGGED], ["None"]) and len(values) == 1:
+            notes.append(f"{name}: train.data_seed={values[0]} in every run, so the seeds vary only the "
+                         "initialisation, not the data order")
+    return {**analysis.seed_variance(finals, pairs, confidence), "metric": metric,
+            "metric_label": metric_names.LOSS_LABEL if metric == metric_names.LOSS else metric,
+            "final_losses": finals, "steps": {label(k): sorted({step for _, _, step in g.values()})[0]
+                                              for k, g in groups.items()},
+            "runs": {label(k): {seed: run.info.run_id for seed, (run, _, _) in g.items()} for k, g in groups.items()},
+            "left_out": left_out, "notes": notes}
 
 
 def write_report(result: dict, out_dir: str, decode=None) -> list[str]:
@@ -269,14 +398,41 @@ def _markdown(r: dict) -> str:
     lines += [f"| {x['positions']} | {x['agreement']:.3f} | {y['learned']:.4f} | {y['causal']:.4f} |"
               for x, y in zip(a["by_position"], a["loss_by_position"])]
     if "seeds" in r:
-        lines += ["", "## Seed variance (final val/loss)", "", "| variant | n | mean | std | 95% CI |", "|---|---|---|---|---|"]
-        for v, s in r["seeds"]["variants"].items():
-            lines.append(f"| {v} | {s['n']} | {s['mean']:.4f} | {s['std']:.4f} | {s['ci_low']:.4f}-{s['ci_high']:.4f} |")
-        for v, s in next((val for key, val in r["seeds"].items() if key.startswith("vs_")), {}).items():
-            lines.append(f"| {v} minus baseline | {s['n']} | {s['mean']:+.4f} | {s['std']:.4f} | "
-                         f"{s['ci_low']:+.4f}-{s['ci_high']:+.4f} |")
+        lines += _seed_markdown(r["seeds"])
     lines += ["", "Plots: counterfactuals.png, correlation.png, stratified_loss.png, agreement.png, routing_map.png", ""]
     return "\n".join(lines)
+
+
+def _seed_markdown(s: dict) -> list[str]:
+    """The seed section: per-variant means and paired routed-minus-baseline differences, with
+    Student-t intervals, the metric named, and the runs left out."""
+    pct = f"{s['variants'][next(iter(s['variants']))]['confidence']:.0%}" if s["variants"] else "95%"
+
+    def num(x: float, signed: bool = False) -> str:
+        return "n/a" if x != x else (f"{x:+.4f}" if signed else f"{x:.4f}")
+
+    def ci(v: dict, signed: bool = False) -> str:
+        return "none (n < 2)" if v["n"] < 2 else f"{num(v['ci_low'], signed)} to {num(v['ci_high'], signed)}"
+
+    lines = ["", f"## Seed variance: final {s['metric_label']}", "",
+             f"Mean over seeds with a Student-t {pct} interval (mean +- t(n-1) * std / sqrt(n)); differences are "
+             "paired by seed (routed seed s minus baseline seed s). Only FINISHED runs are pooled.", "",
+             f"| variant | steps | n | mean {s['metric']} | std | {pct} CI (t) | note |", "|---|---|---|---|---|---|---|"]
+    for name, v in s["variants"].items():
+        lines.append(f"| {name} | {s['steps'].get(name, '')} | {v['n']} | {num(v['mean'])} | {num(v['std'])} | "
+                     f"{ci(v)} | {v['note']} |")
+    for name, d in s["differences"].items():
+        paired = ", ".join(d["seeds"]) or "none"
+        note = "; ".join(x for x in (d["note"], f"unpaired seeds {', '.join(d['unpaired'])} not used"
+                                     if d["unpaired"] else "") if x)
+        lines.append(f"| {name} minus {d['baseline']} (paired, seeds {paired}) | | {d['n']} | {num(d['mean'], True)} | "
+                     f"{num(d['std'])} | {ci(d, True)} | {note} |")
+    if s["notes"]:
+        lines += [""] + [f"- {n}" for n in s["notes"]]
+    if s["left_out"]:
+        lines += ["", "Left out of the pool:", "", "| run | variant | seed | status | why |", "|---|---|---|---|---|"]
+        lines += [f"| {x['run']} | {x['variant']} | {x['seed']} | {x['status']} | {x['reason']} |" for x in s["left_out"]]
+    return lines
 
 
 def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:

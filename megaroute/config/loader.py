@@ -213,7 +213,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 # Keys renamed since they were released: the old name gets an error that says the new one.
-RENAMED = {"routing.gate": "routing.router_weight"}
+RENAMED = {"routing.gate": "routing.router_weight",
+           "routing.depth_gate.threshold_momentum": "routing.threshold_momentum"}
 
 
 def _build(cls: type, data: dict, path: str) -> Any:

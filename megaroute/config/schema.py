@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from ..data.tokenizers import hf_vocab_size
+
 
 class ConfigError(ValueError):
     """A config value is unknown, mistyped or out of range. The message names the key path."""
@@ -116,8 +118,6 @@ class DepthGateConfig:
     # gated block every step; n > 0 labels each block with probability n / (gated blocks), so n
     # blocks per step on average.
     oracle_layers: int = 0
-    # Causal (evaluation) decisions threshold the score at a running estimate of the top-k cut.
-    threshold_momentum: float = 0.9
 
     def validate(self, path: str) -> None:
         _require(0.0 < self.budget <= 1.0, f"{path}.budget", f"must be in (0, 1], got {self.budget}")
@@ -126,8 +126,6 @@ class DepthGateConfig:
         _require(self.oracle_layers >= 0, f"{path}.oracle_layers", f"must be >= 0, got {self.oracle_layers}")
         for name in ("align_weight", "utility_weight", "rank_weight"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", f"must be >= 0, got {getattr(self, name)}")
-        _require(0.0 <= self.threshold_momentum < 1.0, f"{path}.threshold_momentum",
-                 f"must be in [0, 1), got {self.threshold_momentum}")
 
     @property
     def needs_oracle(self) -> bool:
@@ -188,6 +186,10 @@ class RoutingConfig:
     aux_loss_weight: float = 0.01
     predictor_hidden: int = 64
     predictor_loss_weight: float = 0.01
+    # Causal decisions (MoD router or predictor, depth gate) threshold each layer's scores at a running
+    # (1 - budget) quantile of the scores seen in training, so causal mode executes the budget's
+    # fraction; this is the running estimate's momentum (see model/routing/calibration.py).
+    threshold_momentum: float = 0.5
     depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
     halting: HaltingConfig = field(default_factory=HaltingConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
@@ -205,6 +207,8 @@ class RoutingConfig:
         _require(self.predictor_hidden > 0, f"{path}.predictor_hidden", f"must be > 0, got {self.predictor_hidden}")
         _require(self.predictor_loss_weight >= 0, f"{path}.predictor_loss_weight",
                  f"must be >= 0, got {self.predictor_loss_weight}")
+        _require(0.0 <= self.threshold_momentum < 1.0, f"{path}.threshold_momentum",
+                 f"must be in [0, 1), got {self.threshold_momentum}")
         self.depth_gate.validate(f"{path}.depth_gate")
         self.halting.validate(f"{path}.halting")
         self.early_exit.validate(f"{path}.early_exit")
@@ -273,8 +277,10 @@ class OptimConfig:
 @dataclass
 class TokenizerConfig:
     # sentencepiece: train on a sample of the corpus; char: one id per character;
-    # file: load an existing SentencePiece .model from `path`.
-    kind: Literal["sentencepiece", "char", "file"] = "sentencepiece"
+    # file: load an existing SentencePiece .model from `path`; hf: an existing Hugging Face tokenizer
+    # directory (tokenizer.json, optionally tokenizer_config.json) at `path`, used as is (vocab_size,
+    # model_type, byte_fallback and sample_chars do not apply).
+    kind: Literal["sentencepiece", "char", "file", "hf"] = "sentencepiece"
     vocab_size: int = 8192
     model_type: Literal["bpe", "unigram"] = "bpe"
     byte_fallback: bool = True
@@ -286,6 +292,8 @@ class TokenizerConfig:
         _require(self.vocab_size > 0, f"{path}.vocab_size", f"must be > 0, got {self.vocab_size}")
         _require(self.sample_chars > 0, f"{path}.sample_chars", f"must be > 0, got {self.sample_chars}")
         _require(self.kind != "file" or bool(self.path), f"{path}.path", "kind 'file' needs a tokenizer .model path")
+        _require(self.kind != "hf" or bool(self.path), f"{path}.path",
+                 "kind 'hf' needs the path of a Hugging Face tokenizer directory (with tokenizer.json)")
 
 
 @dataclass
@@ -305,6 +313,7 @@ class DataConfig:
     num_workers: int = 2
     shard_tokens: int = 50_000_000
     seq_len: int = 256
+    # Seed of the train/val split (prepare); the training data order is train.data_seed's.
     seed: int = 1234
 
     def validate(self, path: str) -> None:
@@ -327,6 +336,10 @@ class TrainConfig:
     max_flops: Optional[float] = None
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 1234
+    # Seed of the training data order (the loader's per-epoch sample permutation); None = train.seed,
+    # so one seed (a sweep's `seed`) varies the initialisation and the data order together. Set it to
+    # hold the order fixed across seeds. The validation order is fixed; data.seed is the train/val split's.
+    data_seed: Optional[int] = None
     eval_interval: int = 100
     eval_batches: int = 10
     log_interval: int = 10
@@ -340,7 +353,7 @@ class TrainConfig:
     # Controller-only training: freeze the base model (load it with checkpoint.init_from) and
     # train only the routing controller (routers, gates, predictors, cheap FFNs, exit heads).
     controller_only: bool = False
-    # Validation losses whose first hit step is recorded (metric val/threshold_hit_step/<value>).
+    # eval/loss values whose first hit step is recorded (metric eval/threshold_hit_step/<value>).
     loss_thresholds: list[float] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
@@ -413,6 +426,17 @@ class Config:
         if self.data.tokenizer.kind == "sentencepiece":
             _require(self.data.tokenizer.vocab_size <= self.model.vocab_size, "data.tokenizer.vocab_size",
                      f"{self.data.tokenizer.vocab_size} exceeds model.vocab_size={self.model.vocab_size}")
+        if self.data.tokenizer.kind == "hf" and os.path.exists(self.data.tokenizer.path):
+            # Its size is in the file: checked when the file is there (a config may be shown or inspected
+            # on a machine without it; `prepare` and the launcher's data check report a missing one).
+            try:
+                size = hf_vocab_size(self.data.tokenizer.path)
+            except ValueError:  # a DataError (unreadable): prepare reports it, naming data.tokenizer.path
+                size = None
+            _require(size is None or size <= self.model.vocab_size, "model.vocab_size",
+                     f"{self.model.vocab_size} is smaller than the vocabulary of the tokenizer at "
+                     f"data.tokenizer.path={self.data.tokenizer.path} ({size} ids); set model.vocab_size >= {size} "
+                     f"(e.g. {-(-size // 128) * 128}, a multiple of 128)")
         if self.routing.method != "none":
             _require(any(self.routing.is_routed(i) for i in range(self.model.n_layers)), "routing.offset",
                      f"no block is routed with every={self.routing.every}, offset={self.routing.offset} "

@@ -9,6 +9,8 @@ byte-identical for any `data.num_workers`.
   decode their range independently. Each file is one document.
 - jsonl / parquet / arrow (read with `datasets.load_dataset(builder, data_files=...)`) and hub
   datasets: runs of consecutive rows holding about `chunk_bytes` of text. Each row is a document.
+  A directory source with one of these as data.format holds the files of that format below it
+  (a downloaded dataset's README.md is not an input); Parquet is read for data.text_field only.
 
 `chunk_bytes` is 16 KiB, doubled (up to 4 MiB) until the corpus has at most ~4096 chunks: small
 corpora still get a fine-grained train/val split, large ones a short chunk list.
@@ -343,6 +345,21 @@ def _local_format(cfg: DataConfig, files: list[str]) -> str:
     return formats[0]
 
 
+def _local_files(cfg: DataConfig) -> tuple[list[str], str]:
+    """The files of a local `cfg.source` and their format. A directory with an explicit structured
+    data.format means its files of that format: a downloaded dataset (e.g. fineweb-edu's parquet
+    shards) also holds README.md, LICENSE and the like."""
+    files = _expand_local(cfg.source)
+    if cfg.format in _BUILDERS and os.path.isdir(cfg.source):
+        matching = [p for p in files if _format_of(p) == cfg.format]
+        if not matching:
+            raise DataError(f"data.source: directory {cfg.source!r} has no {cfg.format} files "
+                            f"(data.format={cfg.format}; names ending in "
+                            f"{', '.join(e for e, f in _EXTENSIONS.items() if f == cfg.format)})")
+        files = matching
+    return files, _local_format(cfg, files)
+
+
 def _check_structured(files: list[str], fmt: str, text_field: str) -> None:
     """Non-empty, readable and (JSONL) valid UTF-8; Parquet/Arrow: the schema has `text_field`."""
     empty = [p for p in files if os.path.getsize(p) == 0]
@@ -380,8 +397,7 @@ def check_source(cfg: DataConfig) -> None:
     if _is_hub(cfg):
         _require_hub_reachable(cfg.source)
         return
-    files = _expand_local(cfg.source)
-    fmt = _local_format(cfg, files)
+    files, fmt = _local_files(cfg)
     if fmt != "text":
         _check_structured(files, fmt, cfg.text_field)
         return
@@ -398,12 +414,13 @@ def open_corpus(cfg: DataConfig, cache_dir: str) -> Corpus:
                        "fingerprint": getattr(ds, "_fingerprint", None)}
         return row_corpus(ds, cfg.text_field, cfg.source, description)
 
-    files = _expand_local(cfg.source)
-    fmt = _local_format(cfg, files)
+    files, fmt = _local_files(cfg)
     if fmt == "text":
         return text_corpus(cfg.source, files)
     _check_structured(files, fmt, cfg.text_field)
     origin = files[0] if len(files) == 1 else f"{cfg.source} ({len(files)} files)"
-    ds = _load_dataset(_BUILDERS[fmt], origin, data_files=files, split="train", cache_dir=cache_dir)
+    # Parquet: read only the text column (fineweb-edu's url/dump/score... columns are not converted).
+    columns = {"columns": [cfg.text_field]} if fmt == "parquet" else {}
+    ds = _load_dataset(_BUILDERS[fmt], origin, data_files=files, split="train", cache_dir=cache_dir, **columns)
     description = {"kind": fmt, "source": cfg.source, "files": [{"path": p, "bytes": os.path.getsize(p)} for p in files]}
     return row_corpus(ds, cfg.text_field, origin, description)

@@ -45,7 +45,8 @@ from .. import __version__
 from ..config.schema import DataConfig
 from . import INDEX_FILE, INDEX_VERSION, DataError
 from .ingest import Chunk, Corpus, check_source, open_corpus
-from .tokenizers import CharTokenizer, Tokenizer, load_tokenizer, tokenizer_from_bytes, train_sentencepiece
+from .tokenizers import (CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_from_bytes,
+                         train_sentencepiece)
 
 SPLITS = ("train", "val")
 # Corpora smaller than this per worker are tokenized in-process.
@@ -56,6 +57,8 @@ _CALLS_PER_WORKER = 16
 _MAX_CALL_BYTES = 8 << 20
 _STAGING_PREFIX = ".staging-"
 _OWNED_FILE = re.compile(r"^(?:(?:train|val)-\d{5}-[0-9a-f]{12}\.bin|tokenizer-[0-9a-f]{12}\.(?:model|json))$")
+# The tokenizer kinds read from data.tokenizer.path rather than trained on the corpus.
+_GIVEN_KINDS = ("file", "hf")
 
 
 def prepare(cfg: DataConfig, progress: bool = True) -> dict:
@@ -81,14 +84,17 @@ def prepare(cfg: DataConfig, progress: bool = True) -> dict:
     return index
 
 
-def preflight(cfg: DataConfig) -> None:
+def preflight(cfg: DataConfig, model_vocab_size: Optional[int] = None) -> None:
     """Cheap checks of what `prepare(cfg)` needs, for callers that prepare later (pretrain, after its
     process group starts): the source exists, is not empty and decodes (`ingest.check_source`), a
-    `tokenizer.kind=file` tokenizer exists, and `output_dir` is (or can be created as) a writable
-    directory. Raises DataError naming the key and file; writes nothing."""
+    `tokenizer.kind=file|hf` tokenizer loads (and, given `model_vocab_size`, fits in model.vocab_size),
+    and `output_dir` is (or can be created as) a writable directory. Raises DataError naming the key
+    and file; writes nothing."""
     check_source(cfg)
-    if cfg.tokenizer.kind == "file" and not os.path.isfile(cfg.tokenizer.path):
-        raise DataError(f"data.tokenizer.path: {cfg.tokenizer.path} not found")
+    given = given_tokenizer(cfg)
+    if given is not None and model_vocab_size is not None and given.vocab_size > model_vocab_size:
+        raise DataError(f"data.tokenizer.path: the tokenizer at {cfg.tokenizer.path} has {given.vocab_size} ids, "
+                        f"more than model.vocab_size={model_vocab_size}; set model.vocab_size >= {given.vocab_size}")
     out = os.path.abspath(cfg.output_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"data.output_dir: {cfg.output_dir} exists and is not a directory")
@@ -112,6 +118,7 @@ def assign_splits(num_chunks: int, val_fraction: float, seed: int) -> list[str]:
 
 
 def _prepare_into(cfg: DataConfig, staging: str, progress: bool) -> dict:
+    given = given_tokenizer(cfg)  # before the corpus: converting Parquet/JSONL to Arrow can take hours
     corpus = open_corpus(cfg, cache_dir=os.path.join(staging, "hf_cache"))
     splits = assign_splits(len(corpus.chunks), cfg.val_fraction, cfg.seed)
     for split in SPLITS:
@@ -125,7 +132,7 @@ def _prepare_into(cfg: DataConfig, staging: str, progress: bool) -> dict:
     # Worker start-up (~0.5 s each) only pays off on larger corpora; output is identical either way.
     workers = min(cfg.num_workers, max(1, _total_bytes(corpus.chunks) // MIN_BYTES_PER_WORKER))
     with _ChunkMap(workers, state) as chunk_map:
-        tokenizer = _make_tokenizer(cfg, corpus, splits, state, chunk_map, progress)
+        tokenizer = given or _make_tokenizer(cfg, corpus, splits, state, chunk_map, progress)
         tokenizer_file = f"tokenizer-{tokenizer.hash[:12]}{tokenizer.suffix}"
         _write_file(os.path.join(staging, tokenizer_file), tokenizer.to_bytes())
         dtype = np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<u4")
@@ -148,7 +155,7 @@ def _index(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, tokenizer_file
     tokenizer_info = {"kind": tokenizer.kind, "file": tokenizer_file, "sha256": tokenizer.hash}
     if cfg.tokenizer.kind == "sentencepiece":
         tokenizer_info.update(model_type=cfg.tokenizer.model_type, byte_fallback=cfg.tokenizer.byte_fallback)
-    elif cfg.tokenizer.kind == "file":
+    elif cfg.tokenizer.kind in _GIVEN_KINDS:
         tokenizer_info["source_path"] = cfg.tokenizer.path
     # Everything that determines the output; nothing that does not (so re-runs are byte-identical).
     recorded = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("output_dir", "num_workers")}
@@ -178,13 +185,23 @@ def _index(cfg: DataConfig, corpus: Corpus, tokenizer: Tokenizer, tokenizer_file
 # Tokenizer
 
 
-def _make_tokenizer(cfg: DataConfig, corpus: Corpus, splits: list[str], state, chunk_map, progress: bool) -> Tokenizer:
+def given_tokenizer(cfg: DataConfig) -> Optional[Tokenizer]:
+    """The tokenizer data.tokenizer.path names (kind file: a SentencePiece `.model` or megaroute tokenizer
+    file; kind hf: a Hugging Face tokenizer directory), or None for the kinds trained on the corpus.
+    Raises DataError naming data.tokenizer.path."""
     tcfg = cfg.tokenizer
+    if tcfg.kind == "hf":
+        return HFTokenizer.from_dir(tcfg.path)
     if tcfg.kind == "file":
         if not os.path.isfile(tcfg.path):
             raise DataError(f"data.tokenizer.path: {tcfg.path} not found")
         with open(tcfg.path, "rb") as f:
             return tokenizer_from_bytes(f.read(), os.path.splitext(tcfg.path)[1], tcfg.path)
+    return None
+
+
+def _make_tokenizer(cfg: DataConfig, corpus: Corpus, splits: list[str], state, chunk_map, progress: bool) -> Tokenizer:
+    tcfg = cfg.tokenizer
     if tcfg.kind == "char":
         chars: set[str] = set()
         bar = tqdm(total=_total_bytes(corpus.chunks), unit="B", unit_scale=True, desc="scan chars", disable=not progress)

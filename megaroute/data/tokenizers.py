@@ -1,12 +1,14 @@
-"""Tokenizers: SentencePiece (trained here, or an existing `.model`) and character-level.
+"""Tokenizers: SentencePiece (trained here, or an existing `.model`), character-level, and an
+existing Hugging Face fast tokenizer (a directory with tokenizer.json, `HFTokenizer`).
 
 A tokenizer is fully defined by one serialized file (`.model` for SentencePiece, `.json`
-for char); `.hash` is the sha256 of that file's bytes. The hash is recorded in the shard
+for char and hf); `.hash` is the sha256 of that file's bytes. The hash is recorded in the shard
 index so training can refuse shards made with a different tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -25,7 +27,7 @@ _TRAINER_THREADS = 4
 
 
 class Tokenizer(Protocol):
-    kind: str  # "sentencepiece" | "char"
+    kind: str  # "sentencepiece" | "char" | "hf"
     suffix: str  # file extension of the serialized form
     vocab_size: int
     eos_id: Optional[int]
@@ -133,8 +135,206 @@ def tokenizer_from_bytes(data: bytes, suffix: str, path: Optional[str] = None) -
     if suffix == ".model":
         return SentencePieceTokenizer(data, path)
     if suffix == ".json":
-        return CharTokenizer.from_bytes(data, path)
+        return _json_tokenizer(data, path)
     raise DataError(f"{path}: unknown tokenizer file type {suffix!r} (expected .model or .json)")
+
+
+# ---------------------------------------------------------------------------------------
+# An existing Hugging Face tokenizer (data.tokenizer.kind=hf)
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+# Files of a Hugging Face tokenizer directory that name its special tokens; the first that names one wins.
+_HF_SPECIAL_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_HF_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The EOS when those files name none (GPT-2's hub files do not: its transformers class supplies
+# <|endoftext|>): the first of these that is a special token of the tokenizer.
+_HF_EOS_FALLBACKS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError("data.tokenizer.kind=hf needs the `tokenizers` package: pip install 'megaroute[hf]'") from None
+    return tokenizers
+
+
+def hf_tokenizer_file(path: str) -> str:
+    """The tokenizer.json of `path`: a Hugging Face tokenizer directory, or that file itself.
+    DataError naming data.tokenizer.path when there is none."""
+    if not path or not os.path.exists(path):
+        raise DataError(f"data.tokenizer.path: {path} not found (kind hf needs a Hugging Face tokenizer directory "
+                        f"with a {HF_TOKENIZER_FILE})")
+    if os.path.isfile(path):
+        return path
+    file = os.path.join(path, HF_TOKENIZER_FILE)
+    if not os.path.isfile(file):
+        hint = ("; it has a SentencePiece tokenizer.model: use data.tokenizer.kind=file with data.tokenizer.path="
+                "<that file>") if os.path.isfile(os.path.join(path, "tokenizer.model")) else ""
+        raise DataError(f"data.tokenizer.path: {path} has no {HF_TOKENIZER_FILE} (kind hf reads a Hugging Face "
+                        f"fast-tokenizer directory; vocab.json/merges.txt alone are not read){hint}")
+    return file
+
+
+def _json_vocab_size(spec, origin: str) -> int:
+    """1 + the largest id of a parsed tokenizer.json: its model's vocabulary and its added tokens."""
+    try:
+        vocab = spec["model"]["vocab"]
+        top = max(vocab.values()) if isinstance(vocab, dict) else len(vocab) - 1  # Unigram: a list
+        top = max([top] + [int(t["id"]) for t in spec.get("added_tokens") or []])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise DataError(f"{origin}: not a Hugging Face tokenizer.json (no model.vocab)") from None
+    return top + 1
+
+
+def hf_vocab_size(path: str) -> int:
+    """The vocabulary size of the Hugging Face tokenizer at `path` (directory or tokenizer.json), as
+    `HFTokenizer.vocab_size` reports it, from the JSON alone (no `tokenizers` import): what config
+    validation compares with model.vocab_size. Cached per file version."""
+    file = hf_tokenizer_file(path)
+    st = os.stat(file)
+    return _cached_hf_vocab_size(os.path.realpath(file), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_hf_vocab_size(file: str, mtime_ns: int, size: int) -> int:
+    return _json_vocab_size(_read_json(file, "data.tokenizer.path: "), f"data.tokenizer.path: {file}")
+
+
+def _read_json(file: str, prefix: str = ""):
+    try:
+        with open(file, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{prefix}{file}: not readable JSON ({type(e).__name__}: {e})") from None
+
+
+def _hf_special_tokens(directory: str, tokenizer: dict) -> dict:
+    """bos/eos/unk/pad token strings named by tokenizer_config.json or special_tokens_map.json (a string,
+    or an AddedToken dict with "content"); the EOS falls back to a conventional special token."""
+    special: dict[str, str] = {}
+    for name in _HF_SPECIAL_FILES:
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            continue
+        spec = _read_json(file, "data.tokenizer.path: ")
+        if not isinstance(spec, dict):
+            continue
+        for key in _HF_SPECIAL_KEYS:
+            value = spec.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str) and value and key not in special:
+                special[key] = value
+    if "eos_token" not in special:
+        added = {t.get("content") for t in tokenizer.get("added_tokens") or [] if isinstance(t, dict) and t.get("special")}
+        fallback = next((t for t in _HF_EOS_FALLBACKS if t in added), None)
+        if fallback is not None:
+            special["eos_token"] = fallback
+    return {k: special[k] for k in _HF_SPECIAL_KEYS if k in special}
+
+
+class HFTokenizer:
+    """An existing Hugging Face fast tokenizer (its tokenizer.json), run by the `tokenizers` library.
+
+    - Encoding adds no special tokens (`add_special_tokens=False`: a post-processor's BOS template is
+      not applied), as for the other kinds; `prepare` appends `eos_id` after every document. A special
+      token written literally in the text (e.g. "<|endoftext|>") encodes to that token, as in
+      transformers. Decoding keeps special tokens.
+    - `vocab_size` is 1 + the largest id, added tokens included: the embedding rows a model needs
+      (model.vocab_size may be larger, e.g. rounded up to a multiple of 128).
+    - `eos_id`: the `eos_token` of tokenizer_config.json, else of special_tokens_map.json, else the first
+      of <|endoftext|>, <|end_of_text|>, </s>, <eos> that is a special token of the tokenizer; None when
+      there is none (documents are then concatenated without a separator, as with `char`).
+    - Serialized form (`tokenizer-<sha12>.json` beside the shards; `.hash` is its sha256): one JSON
+      object {"kind": "hf", "version": 1, "special_tokens": {"eos_token": ..., ...}, "source_sha256":
+      <sha256 of the tokenizer.json read>, "tokenizer": <that tokenizer.json>}, so that file alone
+      reloads it (prepare's workers, training, the Hugging Face export).
+    """
+
+    kind = "hf"
+    suffix = ".json"
+
+    def __init__(self, spec: dict, data: bytes, path: Optional[str] = None, origin: Optional[str] = None):
+        origin = origin or path or "hf tokenizer"
+        tokenizers = _import_tokenizers()
+        try:
+            self._tk = tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer"]))
+        except Exception as e:  # the Rust deserializer raises a bare Exception
+            raise DataError(f"{origin}: not a valid Hugging Face tokenizer ({e})") from None
+        self._spec, self._data = spec, bytes(data)
+        self.special_tokens: dict[str, str] = dict(spec.get("special_tokens") or {})
+        eos = self.special_tokens.get("eos_token")
+        self.eos_id: Optional[int] = None if eos is None else self._tk.token_to_id(eos)
+        if eos is not None and self.eos_id is None:
+            raise DataError(f"{origin}: its eos_token {eos!r} is not in the tokenizer's vocabulary")
+        self.vocab_size = max(self._tk.get_vocab(with_added_tokens=True).values()) + 1
+        self.hash = _sha256(self._data)
+        self.path = path
+
+    @classmethod
+    def from_dir(cls, path: str) -> "HFTokenizer":
+        """The tokenizer of a Hugging Face tokenizer directory (or its tokenizer.json; tokenizer_config.json
+        and special_tokens_map.json are read beside it). Errors name data.tokenizer.path."""
+        file = hf_tokenizer_file(path)
+        with open(file, "rb") as f:
+            raw = f.read()
+        try:
+            tokenizer = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise DataError(f"data.tokenizer.path: {file} is not valid JSON ({e})") from None
+        if not isinstance(tokenizer, dict) or "model" not in tokenizer:
+            raise DataError(f"data.tokenizer.path: {file} is not a Hugging Face tokenizer.json (no model)")
+        spec = {"kind": "hf", "version": 1, "special_tokens": _hf_special_tokens(os.path.dirname(file), tokenizer),
+                "source_sha256": _sha256(raw), "tokenizer": tokenizer}
+        data = (json.dumps(spec, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        return cls(spec, data, origin=f"data.tokenizer.path: {file}")
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: Optional[str] = None, spec: Optional[dict] = None) -> "HFTokenizer":
+        if spec is None:
+            try:
+                spec = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                spec = None
+        if not (isinstance(spec, dict) and spec.get("kind") == "hf" and spec.get("version") == 1
+                and isinstance(spec.get("tokenizer"), dict)):
+            raise DataError(f"{path or 'hf tokenizer'}: not a megaroute hf tokenizer file")
+        return cls(spec, data, path)
+
+    @property
+    def tokenizer_json(self) -> str:
+        """The Hugging Face tokenizer.json this tokenizer runs."""
+        return json.dumps(self._spec["tokenizer"], ensure_ascii=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
+        return np.asarray(self._tk.encode(text, add_special_tokens=False).ids, dtype=dtype)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_bytes(self) -> bytes:
+        return self._data
+
+    def __reduce__(self):  # rebuilt from the serialized file, like SentencePiece
+        return (HFTokenizer.from_bytes, (self._data, self.path))
+
+
+def _json_tokenizer(data: bytes, path: Optional[str]) -> Tokenizer:
+    """A megaroute `.json` tokenizer file: char or hf, told apart by its "kind"."""
+    try:
+        spec = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        spec = None
+    if isinstance(spec, dict) and spec.get("kind") == "hf":
+        return HFTokenizer.from_bytes(data, path, spec)
+    if isinstance(spec, dict) and "kind" not in spec and "model" in spec:
+        raise DataError(f"{path or 'tokenizer'}: a Hugging Face tokenizer.json, not a megaroute tokenizer file; "
+                        "use data.tokenizer.kind=hf with data.tokenizer.path=<its directory>")
+    return CharTokenizer.from_bytes(data, path)
 
 
 def load_tokenizer(output_dir_or_file: str) -> Tokenizer:

@@ -3,7 +3,8 @@
 SentencePiece: transformers' Llama tokenizer built from the `.model` file reproduces SentencePiece's
 ids (no BOS added: megaroute never trains with one). Character tokenizer: a `tokenizers` WordLevel
 model over single characters (each character is its own pre-token; decoding concatenates), with
-newline as its BOS token (see _char).
+newline as its BOS token (see _char). Hugging Face tokenizer (kind hf): its tokenizer.json as is, with
+the special tokens megaroute recorded, minus a post-processor that adds tokens (see _hf).
 `export_tokenizer` checks the exported ids against megaroute's on a sample before returning.
 """
 
@@ -13,7 +14,7 @@ import os
 import shutil
 import tempfile
 
-from ..data.tokenizers import CharTokenizer, SentencePieceTokenizer, Tokenizer
+from ..data.tokenizers import CharTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer
 
 SAMPLE = "First Citizen:\nBefore we proceed any further, hear me speak.\n  All: Speak, speak! 0123 ünïcødé"
 
@@ -48,10 +49,25 @@ def _char(tok: CharTokenizer, out_dir: str):
     return hf
 
 
+def _hf(tok: HFTokenizer, out_dir: str):
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer.from_str(tok.tokenizer_json)
+    if rust.encode("a").ids != rust.encode("a", add_special_tokens=False).ids:
+        # A template post-processor (Llama's BOS) adds tokens the model never saw in training (megaroute
+        # encodes without them): drop it, so the exported tokenizer's default encoding is the training one.
+        rust.post_processor = None
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False, **tok.special_tokens)
+    hf.save_pretrained(out_dir)
+    return hf
+
+
 def export_tokenizer(tok: Tokenizer, out_dir: str):
     """Writes tokenizer files into out_dir; returns the transformers tokenizer (ids checked)."""
-    hf = _sentencepiece(tok, out_dir) if tok.kind == "sentencepiece" else _char(tok, out_dir)
-    sample = SAMPLE if tok.kind == "sentencepiece" else "".join(c for c in SAMPLE if _encodable(tok, c))
+    exporters = {"sentencepiece": _sentencepiece, "hf": _hf}
+    hf = exporters.get(tok.kind, _char)(tok, out_dir)
+    sample = SAMPLE if tok.kind in exporters else "".join(c for c in SAMPLE if _encodable(tok, c))
     ours, theirs = tok.encode(sample), hf(sample, add_special_tokens=False)["input_ids"]
     if ours != theirs:
         raise RuntimeError(f"exported {tok.kind} tokenizer disagrees with megaroute's on {sample!r}: "

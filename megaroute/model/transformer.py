@@ -40,6 +40,8 @@ class ModelOutput:
     routing_stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # With record_decisions: each routed layer's executed-token mask [B, T] (megaroute audit).
     decisions: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per routed layer, the fraction of tokens that took its budgeted path (detached scalars).
+    executed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,12 @@ class ForwardOptions:
     Decoding: `cache` (a KVCache from `Transformer.new_cache()`) continues the cached sequence at
     position `cache.seen`, each layer appending the keys/values of the tokens it ran; `positions`
     overrides the RoPE positions [B, T]; `key_mask` ([B, T] bool, with a cache) marks padding
-    (False): those tokens never become keys.
+    (False): those tokens never become keys. `calibrate` (with mode "causal"): each routed layer's
+    calibrated threshold observes this batch's scores before deciding (routing/calibration.py).
     """
 
     mode: str = "topk"
+    calibrate: bool = False
     force: Mapping[str, str] = field(default_factory=dict)
     masks: Mapping[str, torch.Tensor] = field(default_factory=dict)
     record_decisions: bool = False
@@ -121,8 +125,10 @@ class Transformer(nn.Module):
         if key_mask is not None and cache is None:
             raise ValueError("key_mask (padding) needs the cached path: pass ForwardOptions(cache=model.new_cache())")
         pos = Positions(self.rope, positions, valid=key_mask)
+        if o.calibrate and routing_mode != "causal":
+            raise ValueError(f"calibrate needs mode 'causal', not {routing_mode!r}")
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(o.force), masks=dict(o.masks),
-                             record=o.record_decisions)
+                             record=o.record_decisions, calibrate=o.calibrate)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
         ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
@@ -142,7 +148,8 @@ class Transformer(nn.Module):
             executed = sum(ctx.exec_frac.values()) + (len(self.layers) - len(ctx.exec_frac))
             ctx.add_stat("tlops_frac", executed / len(self.layers))
 
-        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats, decisions=ctx.decisions)
+        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats, decisions=ctx.decisions,
+                          executed=ctx.executed)
         if targets is not None:
             out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
             aux = ctx.total_aux_loss()

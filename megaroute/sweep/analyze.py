@@ -122,9 +122,9 @@ def write_csv(path: str, fits: Sequence[OptimumFit]) -> None:
 
 
 def markdown(sweep: str, fits: Sequence[OptimumFit], fronts: Sequence[Frontier], skipped: Sequence[str],
-             loss: str = "val/loss") -> str:
+             loss: str = "eval/loss") -> str:
     rows = table_rows(fits)
-    head = ["variant", "budget (FLOPs)", "N* (params)", "N* 90% CI", "L* (val loss)", "L* 90% CI", "fit", "runs"]
+    head = ["variant", "budget (FLOPs)", "N* (params)", "N* 90% CI", "L* (loss)", "L* 90% CI", "fit", "runs"]
     lines = [f"# isoFLOP analysis: {sweep}", "", f"Loss: final {loss} of each run.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.values()) + " |" for r in rows]

@@ -49,9 +49,10 @@ def add_parser(sub) -> None:
     submit.add_argument("--max-parallel", type=int, default=None, help="array throttle (%%N)")
     analyze = spec_parser("analyze", "fit isoFLOP curves from the sweep's MLflow runs; table + plots", run_analyze)
     analyze.add_argument("--out", default=None, help="output directory (default: <runs_dir>/analysis)")
-    analyze.add_argument("--metric", choices=("causal", "topk"), default="causal",
-                         help="causal (default): val/loss_causal where a routed method logs it, else val/loss "
-                              "(no future information); topk: val/loss as routed in training (sequence-wide top-k)")
+    analyze.add_argument("--metric", choices=("eval", "topk"), default="eval",
+                         help="eval (default): eval/loss, the autoregressive loss at the compute each run executed "
+                              "(no future information); topk: the training-mode figure (val/loss_topk routes by "
+                              "sequence-wide top-k, which sees future tokens), for diagnosis")
 
 
 def _load(args):

@@ -1,6 +1,6 @@
 """`megaroute compare`: overlay metric curves of chosen MLflow runs in one PNG.
 
-    megaroute compare --experiment isoflop RUN [RUN ...] [--metric val/loss ...] [--out compare.png]
+    megaroute compare --experiment isoflop RUN [RUN ...] [--metric eval/loss ...] [--out compare.png]
 
 RUN is a run name (unique in the experiment) or a run id. The tracking URI is --tracking-uri,
 else $MLFLOW_TRACKING_URI, else the local store runs/mlflow.db.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .. import metric_names as names
 from ..train.tracking import default_uri
 from .mlflow_runs import find_runs, metric_history
 
@@ -19,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run names or ids")
     p.add_argument("--experiment", required=True)
     p.add_argument("--metric", action="append", default=None, help="metric key (repeatable; "
-                   "default train/loss and val/loss)")
+                   "default train/loss and eval/loss, the autoregressive loss; eval/exec_frac is its compute)")
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--out", default="compare.png")
     p.set_defaults(func=run)
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri("runs")
-    metrics = args.metric or ["train/loss", "val/loss"]
+    metrics = args.metric or ["train/loss", names.LOSS]
     runs = find_runs(uri, args.experiment, args.runs)
     curves = {(run_id, key): metric_history(uri, run_id, key) for run_id, _ in runs for key in metrics}
     plot(args.out, runs, metrics, curves)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from .. import metric_names as names
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
 from .spec import SweepSpecError
 
@@ -80,15 +81,15 @@ class RunResult:
     val_loss: Optional[float]
 
 
-# Validation metrics in order of preference per run for `sweep analyze --metric causal`: routed
-# methods whose val/loss routes by sequence-wide top-k (it sees future tokens) also log the causal
-# decision mode as val/loss_causal; dense and halting (soft mode is causal) have val/loss only.
-CAUSAL_LOSS = ("val/loss_causal", "val/loss")
-TOPK_LOSS = ("val/loss",)
+# Loss metrics in order of preference per run (megaroute.metric_names). `sweep analyze` reads eval/loss
+# (autoregressive, at the executed compute) unless asked for the training-mode figure: top-k routing
+# (sees future tokens), halting's soft gates; dense has only eval/loss.
+HONEST_LOSS = (names.LOSS,)
+TOPK_LOSS = (names.TOPK_LOSS, "val/loss_soft", names.LOSS)
 
 
 def sweep_runs(uri: str, experiment: str, sweep: str,
-               metrics: tuple[str, ...] = CAUSAL_LOSS) -> tuple[Optional[str], list[RunResult]]:
+               metrics: tuple[str, ...] = HONEST_LOSS) -> tuple[Optional[str], list[RunResult]]:
     """(parent run id, point runs) of one sweep. Each run's loss is the last logged value of the first
     of `metrics` it has."""
     client = _client(uri)

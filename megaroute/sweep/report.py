@@ -6,13 +6,17 @@ import math
 import os
 
 from . import analyze as A
-from .mlflow_runs import CAUSAL_LOSS, TOPK_LOSS, log_artifacts, sweep_runs
+from .. import metric_names as names
+from .mlflow_runs import HONEST_LOSS, TOPK_LOSS, log_artifacts, sweep_runs
+
+METRICS = {"eval": HONEST_LOSS, "topk": TOPK_LOSS}
 
 
-def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: str = "causal") -> list[str]:
-    """metric "causal": each run's honest autoregressive loss (val/loss_causal where the method logs
-    one, else val/loss); "topk": val/loss, routed by sequence-wide top-k as in training."""
-    keys = {"causal": CAUSAL_LOSS, "topk": TOPK_LOSS}[metric]
+def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: str = "eval") -> list[str]:
+    """metric "eval": each run's eval/loss, autoregressive at the compute it executed; "topk": the
+    training-mode figure (val/loss_topk: sequence-wide top-k, which sees future tokens; halting's soft
+    gates), for diagnosis only."""
+    keys = METRICS[metric]
     parent, runs = sweep_runs(uri, experiment, sweep, keys)
     rows, skipped = [], []
     for r in sorted(runs, key=lambda r: r.name):
@@ -21,7 +25,7 @@ def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: s
             continue
         rows.append((r.variant, r.budget, r.n_params, r.seed, r.val_loss))
     if not rows:
-        raise LookupError(f"no finished run with a val/loss in sweep {sweep!r} of experiment {experiment!r} at {uri}"
+        raise LookupError(f"no finished run with {' or '.join(keys)} in sweep {sweep!r} of experiment {experiment!r} at {uri}"
                           + (f"; left out: {'; '.join(skipped)}" if skipped else ""))
     fits = A.isoflop_fits(rows)
     fronts = A.frontiers(fits)
@@ -29,7 +33,9 @@ def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: s
     files = {name: os.path.join(out_dir, name)
              for name in ("isoflop_table.md", "isoflop_table.csv", "isoflop_curves.png", "isoflop_frontier.png")}
     with open(files["isoflop_table.md"], "w") as f:
-        f.write(A.markdown(sweep, fits, fronts, skipped, loss=" or ".join(keys)))
+        label = names.LOSS_LABEL if keys == HONEST_LOSS else (" or ".join(keys) + " (training-mode routing: "
+                                                               "not comparable with eval/loss)")
+        f.write(A.markdown(sweep, fits, fronts, skipped, loss=label))
     A.write_csv(files["isoflop_table.csv"], fits)
     A.plot_isoflops(files["isoflop_curves.png"], rows, fits)
     A.plot_frontier(files["isoflop_frontier.png"], fits, fronts)

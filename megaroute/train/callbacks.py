@@ -8,7 +8,9 @@ import os
 import time
 from typing import Optional
 
-from ..model.routing import average_causal_thresholds
+from .. import metric_names as names
+from ..model.routing import sync_quantile_cuts
+from ..model.routing.calibration import budget_gap
 from .checkpoint import CheckpointManager
 from .loop import Callback, Trainer
 from .tracking import MLflowTracker
@@ -40,11 +42,12 @@ class SpeedMeter(Callback):
 
 
 class RoutingStateSync(Callback):
-    """Averages per-rank routing state (depth gates' causal thresholds) over the data-parallel
-    group after each step; registered first, so evaluation and checkpoints see the synced values."""
+    """Averages per-rank routing state (the causal decisions' calibrated thresholds) over the
+    data-parallel group after each step; registered first, so evaluation and checkpoints see the
+    synced values."""
 
     def __init__(self, model, dp_group):
-        self.model, self.group, self.sync = model, dp_group, average_causal_thresholds
+        self.model, self.group, self.sync = model, dp_group, sync_quantile_cuts
 
     def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
         self.sync(self.model, self.group)
@@ -73,10 +76,10 @@ class ProgressPrinter(Callback):
 
 
 class LossSummary(Callback):
-    """Adds the run-level loss figures routed-depth papers compare: val/best_loss, val/avg_loss,
-    train/avg_loss, and once per threshold the first step validation loss reached it
-    (val/threshold_hit_step/<threshold>). Its state rides in the checkpoint, so resuming keeps it.
-    Place it before the callbacks that record metrics."""
+    """Adds the run-level loss figures routed-depth papers compare, of eval/loss: eval/best_loss,
+    eval/avg_loss, and once per threshold the first step it reached it (eval/threshold_hit_step/<t>);
+    and train/avg_loss. Its state rides in the checkpoint, so resuming keeps it. Place it before the
+    callbacks that record metrics."""
 
     def __init__(self, thresholds: list[float]):
         self.thresholds = sorted(thresholds, reverse=True)
@@ -93,19 +96,19 @@ class LossSummary(Callback):
             metrics["train/avg_loss"] = self.train_sum / self.train_n
 
     def on_eval(self, trainer: Trainer, metrics: dict) -> None:
-        loss = metrics.get("val/loss", math.nan)
+        loss = metrics.get(names.LOSS, math.nan)
         if not math.isfinite(loss):
             return
         self.best = min(self.best, loss)
         self.val_sum += loss
         self.val_n += 1
-        metrics["val/best_loss"] = self.best
-        metrics["val/avg_loss"] = self.val_sum / self.val_n
+        metrics[names.BEST_LOSS] = self.best
+        metrics[names.AVG_LOSS] = self.val_sum / self.val_n
         for t in self.thresholds:
             key = f"{t:g}"
             if key not in self.hits and loss <= t:
                 self.hits[key] = trainer.state.step
-                metrics[f"val/threshold_hit_step/{key}"] = float(trainer.state.step)
+                metrics[f"{names.THRESHOLD_HIT}/{key}"] = float(trainer.state.step)
 
     def state_dict(self) -> dict:
         return {"best": self.best, "val_sum": self.val_sum, "val_n": self.val_n, "train_sum": self.train_sum,
@@ -114,6 +117,39 @@ class LossSummary(Callback):
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, dict(value) if key == "hits" else value)
+
+
+class BudgetCheck(Callback):
+    """Says, in the run's summary, when evaluation executed a fraction of tokens off the method's budget
+    by more than `tolerance` (relative) at some routed layer: eval/loss was then measured at another
+    compute level than the budget. Adds eval/budget_gap (the largest relative gap) to each eval."""
+
+    def __init__(self, tracker: Optional[MLflowTracker] = None, tolerance: float = 0.1, print_fn=print):
+        self.tracker, self.tolerance, self.print = tracker, tolerance, print_fn
+        self.off: dict[str, float] = {}
+        self.budget: Optional[float] = None
+        self.step = 0
+
+    def on_eval(self, trainer: Trainer, metrics: dict) -> None:
+        self.budget = metrics.get(names.BUDGET)
+        prefix = names.EXEC_FRAC + "/"
+        layers = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+        if self.budget is None or not layers:
+            return
+        gaps = {layer: budget_gap(v, self.budget) for layer, v in layers.items()}
+        metrics["eval/budget_gap"] = max(gaps.values())
+        self.off = {layer: layers[layer] for layer, gap in gaps.items() if gap > self.tolerance}
+        self.step = trainer.state.step
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if not self.off:
+            return
+        listed = ", ".join(f"{layer} {v:.3f}" for layer, v in self.off.items())
+        message = (f"evaluation at step {self.step} executed fractions off the budget {self.budget:.3f} by more "
+                   f"than {self.tolerance:.0%}: {listed}; {names.LOSS} is a loss at that compute, not at the budget")
+        self.print(f"WARNING: {message}", flush=True)
+        if self.tracker is not None:
+            self.tracker.set_tags({"budget_warning": message})
 
 
 class MetricsFile(Callback):
@@ -156,7 +192,9 @@ class MLflowLogger(Callback):
 
 
 class PeriodicCheckpoint(Callback):
-    """Commits a checkpoint every `interval` steps and whenever training stops."""
+    """Commits a checkpoint every `interval` steps and whenever training stops. It saves once the
+    step's evaluation has run (on_step_done), so the running summaries it holds (LossSummary) and
+    the RNG state include that evaluation: a job resumed from it logs what an unbroken one does."""
 
     def __init__(self, manager: CheckpointManager, interval: int, client_state):
         self.manager = manager
@@ -168,7 +206,7 @@ class PeriodicCheckpoint(Callback):
         self.manager.save(trainer.engine, trainer.state.step, self.client_state())
         self.last_saved = trainer.state.step
 
-    def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
+    def on_step_done(self, trainer: Trainer) -> None:
         if trainer.state.step % self.interval == 0:
             self._save(trainer)
 

@@ -10,7 +10,9 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..data.loader import PackedDataset, SequenceLoader
+from .. import metric_names as names
 from ..model import ForwardOptions
+from ..model.routing import calibrate_thresholds
 from ..parallel import collectives
 
 
@@ -32,6 +34,9 @@ class Callback:
     def on_train_start(self, trainer: "Trainer") -> None: ...
     def on_step_end(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
     def on_eval(self, trainer: "Trainer", metrics: dict[str, float]) -> None: ...
+    # After the step and its evaluation (if any): the state a checkpoint of this step must hold,
+    # running summaries included, so a job resumed from it goes on exactly as an unbroken one.
+    def on_step_done(self, trainer: "Trainer") -> None: ...
     def on_train_end(self, trainer: "Trainer") -> None: ...
 
 
@@ -73,6 +78,7 @@ class Trainer:
             self._emit("on_step_end", metrics)
             if self.state.step % self.eval_interval == 0 or self.state.step == self.total_steps:
                 self._emit("on_eval", self.evaluate())
+            self._emit("on_step_done")
             if stop:
                 self.state.stop_reason = "signal"
             elif self.exit_interval and self.state.step % self.exit_interval == 0 and self.state.step < self.total_steps:
@@ -143,40 +149,75 @@ class Trainer:
 
 
 class Evaluator:
-    """Mean validation loss over a fixed set of batches in each routing mode of the method, plus
-    the token-layer operations executed (TLOps) and full-path fraction where the method has them.
+    """Validation metrics over a fixed set of batches, in each routing mode of the method
+    (`modes`: metric suffix -> routing mode, from its MethodSpec; names in megaroute.metric_names).
 
-    `modes`: metric suffix -> routing mode (`eval_modes(method)`). Every call reads the same
-    batches: each data-parallel rank its own share of them, `batches` micro-batches per mode."""
+    First, with a `calibration_set` (training data), the causal decisions' thresholds are re-measured
+    in causal mode on its first `batches` micro-batches per rank (model/routing/calibration.py), so
+    causal evaluation executes the budget's fraction with the current weights.
+    The `honest_mode` (each token routed from its own past, at the compute the method spends) gives
+    eval/loss, with eval/exec_frac (mean over routed layers, and eval/exec_frac/<layer>), eval/tlops_frac
+    and eval/budget beside it. Every other mode logs val/loss<suffix> (val/loss_topk: training's
+    top-k, which sees future tokens) and its own fractions. Every call reads the same batches: each
+    data-parallel rank its own share of them, `batches` micro-batches per mode."""
 
-    def __init__(self, engine, val_set: PackedDataset, modes: dict[str, str], *, batches: int,
-                 micro_batch_size: int, dp_rank: int, dp_size: int):
+    def __init__(self, engine, val_set: PackedDataset, modes: dict[str, str], *, honest_mode: str,
+                 budget: Optional[float], batches: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 calibration_set: Optional[PackedDataset] = None, dp_group=None):
+        if honest_mode not in modes.values():
+            raise ValueError(f"honest mode {honest_mode!r} is not one of the evaluation modes {modes}")
         self.engine, self.val_set, self.modes, self.batches = engine, val_set, modes, batches
+        self.honest_mode, self.budget = honest_mode, budget
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.calibration_set, self.dp_group = calibration_set, dp_group
+
+    def _batches(self, dataset: PackedDataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same `batches` micro-batches of `dataset` at every call: this rank's share of them."""
+        mb = self.micro_batch_size
+        loader = iter(SequenceLoader(dataset, mb, mb * self.dp_size, self.dp_rank, self.dp_size, seed=0))
+        for _ in range(self.batches):
+            x, y = next(loader)
+            yield x.to(self.engine.device), y.to(self.engine.device)
+
+    def _calibrate(self) -> None:
+        engine = self.engine
+        options = ForwardOptions(mode="causal", calibrate=True)
+        calibrate_thresholds(getattr(engine, "module", engine), lambda x: engine(x, options=options),
+                             (x for x, _ in self._batches(self.calibration_set)), self.dp_group)
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
-        engine, mb = self.engine, self.micro_batch_size
+        engine = self.engine
         engine.eval()
+        if self.calibration_set is not None:
+            self._calibrate()
         out = {}
         for suffix, mode in self.modes.items():
-            batches = iter(SequenceLoader(self.val_set, mb, mb * self.dp_size, self.dp_rank, self.dp_size, seed=0))
             # Sums stay on the device; one collective (on the engine's device) and one host copy per mode.
             sums: dict[str, torch.Tensor] = {}
-            for _ in range(self.batches):
-                x, y = next(batches)
-                result = engine(x.to(engine.device), y.to(engine.device), options=ForwardOptions(mode=mode))
-                stats = result.routing_stats
-                full = [v for k, v in stats.items() if k.endswith("/full_frac")]
-                for key, value in (("loss", result.lm_loss), ("tlops_frac", stats.get("tlops_frac")),
-                                   ("full_frac", sum(full) / len(full) if full else None)):
+            for x, y in self._batches(self.val_set):
+                result = engine(x, y, options=ForwardOptions(mode=mode))
+                values = {"loss": result.lm_loss, "tlops_frac": result.routing_stats.get("tlops_frac"),
+                          **{f"exec_frac/{layer}": v for layer, v in result.executed.items()}}
+                if result.executed:
+                    values["exec_frac"] = sum(result.executed.values()) / len(result.executed)
+                for key, value in values.items():
                     if value is not None:
                         _accumulate(sums, key, value, 1 / self.batches, engine.device)
-            keys = sorted(sums)
+            keys = list(sums)
             means = collectives.all_reduce(torch.stack([sums[k] for k in keys]), engine.device)
             means = (means / collectives.world_size()).tolist()
-            out.update({f"val/{k}{suffix}": v for k, v in zip(keys, means)})
-        if "val/loss_hard" in out:
-            out["val/soft_hard_gap"] = out["val/loss_hard"] - out["val/loss"]
+            for key, value in zip(keys, means):
+                out[self._name(key, suffix, mode)] = value
+        if self.budget is not None:
+            out[names.BUDGET] = self.budget
+        if "val/loss_soft" in out:  # halting: what hard skipping costs over the soft gates
+            out["val/soft_hard_gap"] = out[names.LOSS] - out["val/loss_soft"]
         engine.train()
         return out
+
+    def _name(self, key: str, suffix: str, mode: str) -> str:
+        if mode == self.honest_mode:
+            return f"eval/{key}"
+        stem, _, layer = key.partition("/")
+        return f"val/{stem}{suffix}" + (f"/{layer}" if layer else "")

@@ -7,6 +7,7 @@ starts, so a bad run fails in seconds with a message naming the key or file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .. import metric_names as names
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
 from ..data import INDEX_FILE, DataError
 from ..data.loader import PackedDataset, SequenceLoader
@@ -30,7 +32,7 @@ from ..model.routing import freeze_base, is_controller_param, method_spec
 from ..model.routing.context import eval_modes
 from ..parallel import ParallelLayout, collectives
 from . import engine as ds
-from .callbacks import (LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
+from .callbacks import (BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
                         SpeedMeter)
 from .checkpoint import (CheckpointError, CheckpointManager, init_from_file, load_init_weights,
                          resolve_checkpoint, resume_tag)
@@ -96,7 +98,7 @@ def check_data(cfg: Config):
     out = cfg.data.output_dir
     if not os.path.isfile(os.path.join(out, INDEX_FILE)):
         try:
-            preflight(cfg.data)
+            preflight(cfg.data, cfg.model.vocab_size)
         except DataError as e:
             state = ("does not exist" if not os.path.exists(out) else
                      "is not a directory" if not os.path.isdir(out) else f"has no {INDEX_FILE}")
@@ -134,8 +136,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     # TP ranks of one replica share a stream, so replicated routing draws (random baselines,
     # oracle-label sampling, rank-loss pairs) stay identical across them.
     _seed_everything(cfg.train.seed + dp_rank)
-    loader = SequenceLoader(train_set, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size,
-                            cfg.data.seed)
+    loader = train_loader(cfg, train_set, dp_rank, dp_size)
     manager = CheckpointManager(os.path.join(cfg.run_dir, cfg.checkpoint.dir), cfg.checkpoint.keep_last, env.rank)
     state, summary, run_id = _resume(cfg, env, engine, manager, loader, tokenizer.hash)
 
@@ -143,8 +144,11 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
     watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
     tracker = _make_tracker(cfg, env, run_id, tokenizer) if env.is_main else None
     client_state = _client_state(cfg, state, loader, summary, tokenizer.hash, tracker)
-    evaluate = Evaluator(engine, val_set, eval_modes(cfg.routing.method), batches=cfg.train.eval_batches,
-                         micro_batch_size=cfg.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    spec = method_spec(cfg.routing.method)
+    evaluate = Evaluator(engine, val_set, eval_modes(cfg.routing.method), honest_mode=spec.honest_mode,
+                         budget=_budget(cfg), batches=cfg.train.eval_batches,
+                         micro_batch_size=cfg.train.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                         calibration_set=train_set, dp_group=layout.get_data_parallel_group())
     trainer = Trainer(
         engine, optimizer, iter(loader), evaluate,
         total_steps=total_steps, accumulation=ds.grad_accumulation_steps(cfg, dp_size),
@@ -236,7 +240,8 @@ def _client_state(cfg: Config, state: TrainState, loader: SequenceLoader, summar
 def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager: CheckpointManager,
                summary: LossSummary, tracker: Optional[MLflowTracker], client_state: Callable[[], dict]) -> list:
     dp_size = layout.dp
-    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary]
+    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary,
+                 BudgetCheck(tracker, print_fn=print if env.is_main else lambda *a, **k: None)]
     if method_spec(cfg.routing.method).syncs_state and dp_size > 1:
         callbacks.insert(0, RoutingStateSync(model, layout.get_data_parallel_group()))
     if env.is_main:
@@ -267,6 +272,32 @@ def _datasets(cfg: Config):
     return PackedDataset(cfg.data.output_dir, "train", **kw), PackedDataset(cfg.data.output_dir, "val", **kw), tokenizer
 
 
+def _budget(cfg: Config) -> Optional[float]:
+    """Fraction of tokens per routed layer the method's budget says (None: no budget)."""
+    spec = method_spec(cfg.routing.method)
+    return spec.budget(cfg.routing, cfg.data.seq_len) if spec.budget is not None else None
+
+
+def _description(cfg: Config) -> str:
+    """The MLflow run description: what the comparison metric is."""
+    spec, budget = method_spec(cfg.routing.method), _budget(cfg)
+    if cfg.routing.method == "none":
+        return f"{names.LOSS}: the ordinary autoregressive validation loss of a dense model."
+    at = f" (budget {budget:.4g})" if budget is not None else ""
+    text = (f"{names.LOSS}: autoregressive validation loss, {cfg.routing.method} routed in its "
+            f"'{spec.honest_mode}' mode (each token decides from its own past), at the executed fraction "
+            f"logged as {names.EXEC_FRAC}{at}. ")
+    if "topk" in spec.eval_modes.values() and spec.honest_mode != "topk":
+        text += (f"The training-mode figure is logged under its own name (val/loss{_suffix(spec, 'topk')}): "
+                 "it is not comparable with eval/loss")
+        text += " (sequence-wide top-k sees future tokens)." if spec.budget is not None else "."
+    return text
+
+
+def _suffix(spec, mode: str) -> str:
+    return next(s for s, m in spec.eval_modes.items() if m == mode)
+
+
 def _total_steps(cfg: Config, tokens_per_step: int, flops_per_token: float) -> int:
     """Stopping rule: the first of max_steps, the token budget and the FLOP budget."""
     steps = cfg.train.max_steps
@@ -275,6 +306,23 @@ def _total_steps(cfg: Config, tokens_per_step: int, flops_per_token: float) -> i
     if cfg.train.max_flops:
         steps = min(steps, int(-(-cfg.train.max_flops // (flops_per_token * tokens_per_step))))
     return max(1, steps)
+
+
+def train_loader(cfg: Config, dataset: PackedDataset, dp_rank: int = 0, dp_size: int = 1) -> SequenceLoader:
+    """The training loader: its sample order is seeded by train.data_seed, or train.seed when that is
+    None, so runs of different seeds see the data in different orders (the evaluator's order is fixed)."""
+    seed = cfg.train.seed if cfg.train.data_seed is None else cfg.train.data_seed
+    return SequenceLoader(dataset, cfg.train.micro_batch_size, cfg.train.global_batch_size, dp_rank, dp_size, seed)
+
+
+def data_fingerprint(output_dir: str) -> str:
+    """Content hash of prepared data (the tokenizer's and every shard's sha256 from its index.json),
+    logged as the MLflow param data.prepared_sha256 so that runs on different data are not pooled."""
+    with open(os.path.join(output_dir, INDEX_FILE)) as f:
+        index = json.load(f)
+    content = {"tokenizer": index["tokenizer"].get("sha256"),
+               "splits": {name: [s["sha256"] for s in split["shards"]] for name, split in sorted(index["splits"].items())}}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str) -> None:
@@ -294,12 +342,14 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}),
             **({"slurm_array_job_id": os.environ["SLURM_ARRAY_JOB_ID"]} if "SLURM_ARRAY_JOB_ID" in os.environ else {}),
             **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
+            "mlflow.note.content": _description(cfg),
             **cfg.tracking.tags}
 
     flops = config_flops(cfg)
     params = {**flatten(cfg), "flops.train_per_token": flops.per_token(training=True),
               "flops.inference_per_token": flops.per_token(training=False),
-              "flops.train_proxy_vs_full": round(training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), 4)}
+              "flops.train_proxy_vs_full": round(training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), 4),
+              "data.prepared_sha256": data_fingerprint(cfg.data.output_dir)}
     if cfg.train.controller_only and method_spec(cfg.routing.method).frozen_base_flops:
         # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
         params["flops.train_executed_vs_full"] = round(

@@ -33,7 +33,7 @@ METHODS = {  # name -> overrides on configs/tiny.yaml (+ FAST: 2 layers, block 1
     "early_exit": ("routing.method=early_exit",),
 }
 # Evaluation keys each method must log (megaroute.model.routing.context.eval_modes).
-EVAL_KEYS = {"dense": ("val/loss",), "halting": ("val/loss", "val/loss_hard")}
+EVAL_KEYS = {"dense": ("eval/loss",), "halting": ("eval/loss", "val/loss_soft")}
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Case:
                 f"parallel.activation_checkpointing={str(self.act_ckpt).lower()}"]
 
     def eval_keys(self) -> tuple[str, ...]:
-        return EVAL_KEYS.get(self.method, ("val/loss", "val/loss_causal"))
+        return EVAL_KEYS.get(self.method, ("eval/loss", "val/loss_topk"))
 
 
 # Every method once (bf16, ZeRO-1); precision x ZeRO stage on dense and MoD; activation

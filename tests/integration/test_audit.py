@@ -31,6 +31,9 @@ def test_audit_cli_on_trained_runs(launch, tmp_path, char_data):
     result = json.loads((tmp_path / "report" / "audit.json").read_text())
     assert result["tokens"] == 2048 and set(result["density"]) == {"layer_1"}  # FAST: 2 layers
     assert {"mod@tiny", "dense@tiny"} <= set(result["seeds"]["final_losses"])
+    assert result["seeds"]["metric"] == "eval/loss" and result["seeds"]["steps"]["mod@tiny"] == 3
+    assert result["seeds"]["differences"]["mod@tiny"]["baseline"] == "dense@tiny"  # one seed: no interval
+    assert "Student-t" in (tmp_path / "report" / "audit.md").read_text()
     logged = {a.path for a in client.list_artifacts(run_id, "audit")}
     assert {"audit/audit.md", "audit/audit.json", "audit/routing_map.png"} <= logged
 

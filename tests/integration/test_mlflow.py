@@ -20,6 +20,7 @@ import pytest
 
 from megaroute.config import flatten, load_config
 from megaroute.flops import config_flops, training_proxy
+from megaroute.train.run import data_fingerprint
 
 from .conftest import Job, losses, read_metrics, start_job
 from .mlflow_server import MARKER, MlflowServer, free_port
@@ -126,7 +127,8 @@ def _check_run(client: MlflowClient, run: Run) -> None:
                              "flops.train_per_token": str(flops.per_token(training=True)),
                              "flops.inference_per_token": str(flops.per_token(training=False)),
                              "flops.train_proxy_vs_full": str(round(training_proxy(cfg.model, cfg.routing,
-                                                                                   cfg.data.seq_len), 4))}
+                                                                                   cfg.data.seq_len), 4)),
+                             "data.prepared_sha256": data_fingerprint(cfg.data.output_dir)}
     assert r.data.params["model.d_model"] == "64" and r.data.params["routing.method"] == "mod"
     assert r.data.params["train.max_steps"] == str(STEPS)
 
@@ -142,8 +144,9 @@ def _check_run(client: MlflowClient, run: Run) -> None:
     assert all(v > 0 for v in history("perf/tokens_per_s").values())
     assert set(history("routing/layer_1/selected_frac").values()) == {0.125}  # k = 8 of 64 tokens
     evals = read_metrics(run.dir, "eval")
-    assert history("val/loss") == {STEPS: evals[STEPS]["val/loss"]}
-    assert "val/loss_causal" in r.data.metrics
+    assert history("eval/loss") == {STEPS: evals[STEPS]["eval/loss"]}
+    assert "val/loss_topk" in r.data.metrics and "eval/exec_frac" in r.data.metrics
+    assert "eval/loss" in r.data.tags["mlflow.note.content"]  # the run description says what it is
 
     # Tags.
     from megaroute.train.run import _git_commit

@@ -51,10 +51,11 @@ def test_controller_only_gate_training_from_a_dense_run(launch, tmp_path):
         for loss in ("utility", "rank", "jepa_align"):
             assert f"aux/layer_1/{loss}" in m
     evals = read_metrics(run_dir, "eval")[3]
-    for key in ("val/loss", "val/loss_causal", "val/full_frac", "val/full_frac_causal", "val/best_loss",
-                "val/avg_loss", "val/threshold_hit_step/100"):
+    for key in ("val/loss_topk", "eval/loss", "val/exec_frac_topk", "eval/exec_frac", "eval/exec_frac/layer_1",
+                "eval/budget", "eval/best_loss", "eval/avg_loss", "eval/threshold_hit_step/100"):
         assert key in evals, key
-    assert evals["val/threshold_hit_step/100"] == 3 and "val/threshold_hit_step/0.01" not in evals
+    assert evals["val/exec_frac_topk"] == 0.5  # top-k: exactly the budget
+    assert evals["eval/threshold_hit_step/100"] == 3 and "eval/threshold_hit_step/0.01" not in evals
 
     # Frozen base: bit-identical to the dense checkpoint; the controller is new and trained.
     before, after = _model_states(dense_dir), _model_states(run_dir)
@@ -62,15 +63,14 @@ def test_controller_only_gate_training_from_a_dense_run(launch, tmp_path):
         if name in before:
             assert torch.equal(value, before[name]), name
         else:
-            assert is_controller_param(name) or name.endswith(("causal_threshold", "threshold_updates",
-                                                                "target_head")), name
+            assert is_controller_param(name) or name.endswith(("cut.threshold", "cut.updates", "target_head")), name
     mlflow_run = _mlflow_run(tmp_path / "runs", "g3")
     params = mlflow_run.data.params
     assert float(params["flops.train_proxy_vs_full"]) > 1.0
     # With the base frozen, autograd runs less than the 3x-forward convention counts.
     assert 0 < float(params["flops.train_executed_vs_full"]) < float(params["flops.train_proxy_vs_full"])
     assert params["routing.depth_gate.gate"] == "jepa"
-    for key in ("val/loss_causal", "val/full_frac_causal", "val/best_loss", "val/threshold_hit_step/100",
+    for key in ("eval/loss", "eval/exec_frac", "eval/best_loss", "eval/threshold_hit_step/100",
                 "grad_norm/controller", "aux/layer_1/utility"):
         assert key in mlflow_run.data.metrics, key
 
@@ -84,9 +84,9 @@ def test_controller_only_refuses_a_checkpoint_without_the_base(launch, tmp_path)
 
 
 @pytest.mark.parametrize("method, expected", [
-    ("halting", ("val/loss_hard", "val/soft_hard_gap", "val/tlops_frac", "val/tlops_frac_hard")),
-    ("early_exit", ("val/loss_causal", "val/tlops_frac_causal")),
-    ("random", ("val/loss_causal", "val/tlops_frac")),
+    ("halting", ("val/loss_soft", "val/soft_hard_gap", "val/tlops_frac_soft", "eval/tlops_frac", "eval/exec_frac")),
+    ("early_exit", ("val/loss_topk", "eval/tlops_frac", "eval/exec_frac")),
+    ("random", ("val/loss_topk", "val/tlops_frac_topk", "eval/exec_frac", "eval/budget", "eval/budget_gap")),
 ])
 def test_method_specific_metrics_reach_the_metrics_file_and_mlflow(launch, tmp_path, method, expected):
     job = launch("configs/tiny.yaml", f"routing.method={method}", "routing.halting.penalty=0.01",
@@ -94,9 +94,9 @@ def test_method_specific_metrics_reach_the_metrics_file_and_mlflow(launch, tmp_p
     assert job.wait() == 0, job.output()[-3000:]
     evals = read_metrics(tmp_path / "runs" / method, "eval")[2]
     logged = _mlflow_run(tmp_path / "runs", method).data.metrics  # the last value of each key
-    for key in ("val/loss", *expected):
+    for key in ("eval/loss", *expected):
         assert key in evals, key
         assert logged[key] == pytest.approx(evals[key]), key
     if method == "halting":
-        assert 0 <= evals["val/tlops_frac_hard"] <= 1
+        assert 0 <= evals["eval/tlops_frac"] <= 1
         assert "aux/layer_1/depth_penalty" in read_metrics(tmp_path / "runs" / method)[1]

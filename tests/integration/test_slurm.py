@@ -215,7 +215,7 @@ def test_isoflop_sweep_array(cluster, mlflow_server, job_env, char_data, tmp_pat
         t = r.data.tags
         assert t["mlflow.parentRunId"] == parent and t["slurm_array_job_id"] == array_id
         assert {t["variant"], t["size"], t["seed"]} <= {"dense", "mod", "d32", "d64", "0"}
-        assert t["budget"] in ("2e+10", "4e+10") and "val/loss" in r.data.metrics
+        assert t["budget"] in ("2e+10", "4e+10") and "eval/loss" in r.data.metrics
     assert len({(r.data.tags["variant"], r.data.tags["size"], r.data.tags["budget"]) for r in children}) == 8
 
     table = (analysis_dir / "isoflop_table.md").read_text()

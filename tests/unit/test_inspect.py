@@ -159,3 +159,82 @@ def test_activation_estimate_matches_saved_tensors(dtype, precision, routing):
     estimate += B * norm_tokens * model_cfg.d_model * (8 - p)
     # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices.
     assert estimate == pytest.approx(measured, rel=0.04)
+
+
+def _training_rows(out: str) -> dict[str, tuple[float, float]]:
+    """The 'Training FLOPs ... vs the dense model' table: row label -> (per token, ratio to dense)."""
+    scale = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    section = out.split("Training FLOPs per token vs the dense model", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"^\s+(proxy|executed, controller-only)\b.*?([\d.]+) ([kMGT]?)FLOP\s+([\d.]+)x", line)
+        if m:
+            rows[m[1]] = (float(m[2]) * scale[m[3]], float(m[4]))
+    return rows
+
+
+@pytest.mark.parametrize("oracle_layers, assumes", [
+    (1, "oracle passes: 1 block per step on average (oracle_layers 1 of 6 gated)"),
+    (0, "oracle passes: every gated block every step (oracle_layers 0, 6 gated)"),
+])
+def test_depth_gate_recipe_prints_proxy_and_executed_training_flops(capsys, oracle_layers, assumes):
+    """The 157M cheap/full recipe: the 3x-forward proxy and what controller-only training executes,
+    each per token and against dense, under a line naming the oracle passes they assume."""
+    from megaroute.flops import training_proxy
+
+    path = str(CONFIGS / "recipes" / "depth_gate_157m.yaml")
+    override = f"routing.depth_gate.oracle_layers={oracle_layers}"
+    assert main(["inspect", "--config", path, override]) == 0
+    out = capsys.readouterr().out
+    assert f"assumes: {assumes}" in out
+    rows = _training_rows(out)
+    assert set(rows) == {"proxy", "executed, controller-only"}
+    cfg = load_config(path, [override])
+    T = cfg.data.seq_len
+    dense = estimate_flops(cfg.model, RoutingConfig(), T).train / T
+    assert f"(every weight trained, 3 x forward): {dense / 1e6:.3f} MFLOP" in out
+    expected = {"proxy": training_proxy(cfg.model, cfg.routing, T),
+                "executed, controller-only": training_proxy(cfg.model, cfg.routing, T, frozen_base=True)}
+    for label, (per_token, ratio) in rows.items():
+        assert ratio == pytest.approx(expected[label], abs=5e-4), label
+        assert per_token == pytest.approx(expected[label] * dense, rel=1e-3), label
+    # The published ~1.5x holds at one labelled block per step; every block every step is ~3.6x.
+    assert rows["proxy"][1] == pytest.approx(1.497 if oracle_layers == 1 else 3.616, abs=1e-3)
+    assert rows["executed, controller-only"][1] < rows["proxy"][1]
+    this_run = next(line for line in out.splitlines() if "<- this run" in line)
+    assert "executed, controller-only" in this_run and "train.controller_only: true" in this_run
+
+    info = _inspect_json(capsys, "--config", path, override)
+    t = info["training_vs_dense"]
+    assert t["proxy_vs_dense"] == pytest.approx(expected["proxy"]) == info["train_proxy"]
+    assert t["executed_vs_dense"] == pytest.approx(expected["executed, controller-only"])
+    assert t["assumes"] == assumes + ", 2 off_policy passes over the rest of the network per labelled block"
+    assert t["controller_only"] is True
+
+
+def test_training_flops_table_with_checkpointing_and_other_methods(capsys):
+    path = str(CONFIGS / "recipes" / "depth_gate_157m_no_aux.yaml")
+    assert main(["inspect", "--config", path, "parallel.activation_checkpointing=true"]) == 0
+    out = capsys.readouterr().out
+    assert "assumes: oracle passes: none (no utility or rank loss)" in out
+    assert out.count("+ activation recomputation (hardware FLOPs)") == 2  # under each figure
+    # MoD: the proxy alone (it trains every weight), marked as this run's figure; dense: no table.
+    assert main(["inspect", "--config", str(CONFIGS / "mod_157m.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert set(_training_rows(out)) == {"proxy"} and "assumes:" not in out
+    assert "train.controller_only: false" in next(line for line in out.splitlines() if "<- this run" in line)
+    assert main(["inspect", "--config", str(CONFIGS / "dense_157m.yaml")]) == 0
+    assert "vs the dense model" not in capsys.readouterr().out
+
+
+def test_inspect_cli_subprocess_shows_both_training_figures():
+    """The installed entry point, as a user runs it."""
+    import subprocess
+    import sys
+
+    path = str(CONFIGS / "recipes" / "depth_gate_157m.yaml")
+    out = subprocess.run([sys.executable, "-m", "megaroute.cli", "inspect", "--config", path],
+                         capture_output=True, text=True, check=True).stdout
+    assert "proxy: 3 x training forward + no-grad passes" in out
+    assert "executed, controller-only: full forward, backward to the controller" in out
+    assert "oracle_layers 1 of 6 gated" in out

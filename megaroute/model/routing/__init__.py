@@ -16,7 +16,8 @@ from ..block import TransformerBlock
 from .baselines import FIRST_K, RANDOM, STRIDE, CapacityBaselineLayer
 from .context import RoutingContext
 from .dense import DENSE, DenseLayer
-from .depth_gate import DEPTH_GATE, DepthGateLayer, average_causal_thresholds
+from .calibration import QuantileCut, calibrate_thresholds, sync_quantile_cuts
+from .depth_gate import DEPTH_GATE, DepthGateLayer
 from .early_exit import EARLY_EXIT, EarlyExitLayer
 from .halting import HALTING, HaltingLayer
 from .mod import MOD, MoDLayer
@@ -67,6 +68,6 @@ def freeze_base(model: nn.Module) -> list[str]:
 
 
 __all__ = ["AuditModes", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer", "HaltingLayer",
-           "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "RoutingContext", "average_causal_thresholds",
-           "block_flops", "build_layer", "capacity_tokens", "controller_modules", "freeze_base",
-           "is_controller_param", "method_spec", "register_method", "unregister_method"]
+           "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "QuantileCut", "RoutingContext",
+           "block_flops", "build_layer", "calibrate_thresholds", "capacity_tokens", "controller_modules", "freeze_base",
+           "is_controller_param", "method_spec", "register_method", "sync_quantile_cuts", "unregister_method"]

@@ -2,7 +2,7 @@
 
 Each routed block processes about k = capacity_k(T, c) tokens per sequence, chosen by
     "random"   k uniform random positions per sequence (training); each token independently with
-               probability c (causal mode: a token's choice must not depend on the others)
+               probability k / T (causal mode: a token's choice must not depend on the others)
     "stride"   positions t with t % s == s - 1, s = round(1/c): T // s tokens, positional, so
                the same in every mode (causal by construction)
     "first_k"  positions t < k, in every mode
@@ -20,7 +20,7 @@ from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
 from .execute import update_selected
-from .spec import MethodSpec, capacity_tokens
+from .spec import MethodSpec, capacity_budget, capacity_tokens
 
 BASELINES = ("random", "stride", "first_k")
 
@@ -56,7 +56,7 @@ class CapacityBaselineLayer(nn.Module):
         k = dispatch.capacity_k(T, self.capacity)
         if self.method == "random":
             if causal:
-                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < self.capacity)
+                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < k / T)
             return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
         # Positional rules read each token's own (original) position: causal in every mode.
         p = pos.positions
@@ -73,6 +73,8 @@ class CapacityBaselineLayer(nn.Module):
 
 
 # MoD's cost without a router: the block on the selected tokens (the spec's default cost model).
-RANDOM = MethodSpec(name="random", layer=CapacityBaselineLayer, tokens=capacity_tokens)
-STRIDE = MethodSpec(name="stride", layer=CapacityBaselineLayer, tokens=stride_tokens)
-FIRST_K = MethodSpec(name="first_k", layer=CapacityBaselineLayer, tokens=capacity_tokens)
+# Their causal decisions match the budget by construction (positional, or Bernoulli(k / T)).
+RANDOM = MethodSpec(name="random", layer=CapacityBaselineLayer, tokens=capacity_tokens, budget=capacity_budget)
+STRIDE = MethodSpec(name="stride", layer=CapacityBaselineLayer, tokens=stride_tokens,
+                    budget=lambda routing, T: stride_tokens(routing, T) / T)
+FIRST_K = MethodSpec(name="first_k", layer=CapacityBaselineLayer, tokens=capacity_tokens, budget=capacity_budget)

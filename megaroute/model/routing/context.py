@@ -44,8 +44,13 @@ class RoutingContext:
     record: bool = False
     decisions: dict[str, torch.Tensor] = field(default_factory=dict)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Calibration pass (calibration.calibrate): causal layers observe their scores before deciding.
+    calibrate: bool = False
     # Token-layer operations: per layer, the fraction of tokens whose block ran in full.
     exec_frac: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per routed layer, the fraction of tokens that took the budgeted path (the block; the full FFN
+    # of a depth gate, whose other tokens still run attention and the cheap FFN): eval/exec_frac.
+    executed: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -66,6 +71,11 @@ class RoutingContext:
     def add_exec(self, name: str, frac: torch.Tensor) -> None:
         """Records the fraction of tokens this layer's block executed (the model sums them into TLOps)."""
         self.exec_frac[name] = frac.detach().float()
+        self.add_executed(name, frac)
+
+    def add_executed(self, name: str, frac: torch.Tensor) -> None:
+        """Records the fraction of tokens that took this layer's budgeted path."""
+        self.executed[name] = frac.detach().float()
 
     def route_mask(self, name: str, mask: torch.Tensor) -> torch.Tensor:
         """A layer's decision [B, T] (True = executes) after the audit hooks: override, then record."""
@@ -92,5 +102,5 @@ class RoutingContext:
 
 
 def eval_modes(method: str) -> dict[str, str]:
-    """Validation metric suffix -> routing mode for a routing method ("val/loss" + suffix), from its spec."""
+    """Evaluation metric suffix -> routing mode for a routing method, from its spec (megaroute.metric_names)."""
     return dict(method_spec(method).eval_modes)

@@ -19,6 +19,6 @@ class DenseLayer(nn.Module):
         return self.block(x, pos)
 
 
-DENSE = MethodSpec(name="none", layer=DenseLayer, eval_modes={"": "topk"}, audit=None)
+DENSE = MethodSpec(name="none", layer=DenseLayer, eval_modes={"": "topk"}, honest_mode="topk", audit=None)
 
 __all__ = ["DENSE", "DenseLayer"]

@@ -3,7 +3,9 @@
     h      = x + attn(x)                                   all tokens
     s      = scorer(norm(h))                               [B, T] utility of the full path
     full   = top-k(s, k = max(1, round(budget*T)))         per sequence (training; exact budget)
-             s > running top-k cut                         causal mode (each token alone)
+             s > threshold                                 causal mode (each token alone); the threshold
+                                                           tracks the (1 - budget) quantile of s in
+                                                           training (calibration.QuantileCut)
     train: out = h + w*full_ffn(u) + (1-w)*cheap_ffn(u),  w = hard + sigmoid(s) - sg(sigmoid(s))
     infer: out = h; out[full] += full_ffn(u[full]); out[~full] += cheap_ffn(u[~full])
 
@@ -31,11 +33,11 @@ from torch import nn
 
 from ...config import DepthGateConfig, ModelConfig, RoutingConfig
 from ...kernels import reference
-from ...parallel import collectives
 from ..block import TransformerBlock
 from ..mlp import SwiGLU
 from ..rope import Positions
 from . import dispatch
+from .calibration import QuantileCut
 from .context import RoutingContext
 from .spec import LayerFlops, MethodSpec, block_flops
 
@@ -124,9 +126,7 @@ class DepthGateLayer(nn.Module):
         self.cheap = build_cheap_ffn(model_cfg.d_model, self.cfg)
         gated = sum(cfg.is_routed(i) for i in range(model_cfg.n_layers))
         self.label_prob = min(1.0, self.cfg.oracle_layers / gated) if self.cfg.oracle_layers else 1.0
-        # Running estimate of the per-sequence top-k cut on the score, for causal decisions.
-        self.register_buffer("causal_threshold", torch.zeros(()))
-        self.register_buffer("threshold_updates", torch.zeros((), dtype=torch.long))
+        self.cut = QuantileCut(cfg.threshold_momentum)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         blk = self.block
@@ -138,6 +138,7 @@ class DepthGateLayer(nn.Module):
         scores, forecasts = self.scorer(u)
         full = ctx.route_mask(name, self._decide(scores, ctx))
         ctx.add_stat(f"{name}/full_frac", full.float().mean())
+        ctx.add_executed(name, full.float().mean())
         ctx.add_stat(f"{name}/score_mean", scores.mean())
         if not (self.training and torch.is_grad_enabled()):
             return self._dispatch(h, u, full)
@@ -163,24 +164,14 @@ class DepthGateLayer(nn.Module):
     def _decide(self, scores: torch.Tensor, ctx: RoutingContext) -> torch.Tensor:
         """Which tokens take the full path: [B, T] bool."""
         T = scores.shape[1]
+        k = dispatch.capacity_k(T, self.cfg.budget)
         if ctx.causal:
-            return scores > self.causal_threshold
-        idx = dispatch.topk_indices(scores, dispatch.capacity_k(T, self.cfg.budget))
+            if ctx.calibrate:
+                self.cut.observe(scores, k / T)
+            return self.cut(scores)
         if self.training and torch.is_grad_enabled():
-            self._update_threshold(scores.detach(), idx)
-        return dispatch.indices_to_mask(idx, T)
-
-    @torch.no_grad()
-    def _update_threshold(self, scores: torch.Tensor, idx: torch.Tensor) -> None:
-        # Midpoint between the lowest selected and highest unselected score, averaged over sequences.
-        T = scores.shape[1]
-        selected = dispatch.indices_to_mask(idx, T)
-        low_in = scores.masked_fill(~selected, math.inf).amin(dim=1)
-        high_out = scores.masked_fill(selected, -math.inf).amax(dim=1)
-        cut = torch.where(torch.isfinite(high_out), (low_in + high_out) / 2, low_in - 1).mean().float()
-        m = self.cfg.threshold_momentum if self.threshold_updates > 0 else 0.0
-        self.causal_threshold.mul_(m).add_((1 - m) * cut)
-        self.threshold_updates += 1
+            self.cut.update(scores, k / T)
+        return dispatch.indices_to_mask(dispatch.topk_indices(scores, k), T)
 
     def _dispatch(self, h: torch.Tensor, u: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Inference: each token runs exactly one FFN, in two contiguous buffers (full, then cheap).
@@ -205,31 +196,14 @@ class DepthGateLayer(nn.Module):
         return (loss_cheap - loss_full).float()
 
 
-@torch.no_grad()
-def average_causal_thresholds(model: nn.Module, group=None) -> None:
-    """Averages every depth gate's causal threshold over `group` (the data-parallel group).
-
-    Each rank updates its running cut from its own batches, so DP ranks drift apart. The update
-    is linear, so averaging after every optimizer step keeps every rank on the running cut of the
-    global batch: evaluation decides alike on all ranks and a checkpoint holds that consensus.
-    Hidden states are replicated across TP ranks, so their thresholds already agree.
-    """
-    layers = [m for m in model.modules() if isinstance(m, DepthGateLayer)]
-    if not layers or not collectives.is_distributed(group):
-        return
-    # The thresholds are buffers on the model's device, where the backend needs them.
-    values = torch.stack([layer.causal_threshold.float() for layer in layers])
-    collectives.all_reduce_(values, group=group)  # SUM then divide: gloo has no AVG
-    values /= collectives.world_size(group)
-    for layer, v in zip(layers, values):
-        layer.causal_threshold.copy_(v)
-
-
 def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
     """Attention and the scorer on all T tokens; at inference the full FFN on k = capacity_k(T, budget)
     tokens and the cheap one on T - k. Training runs both paths for every token (train_extra); the
     JEPA target head on the two outcomes is no-grad. controller_inputs: the scorer's and cheap FFN's
-    first matmuls, which read the block's hidden state."""
+    first matmuls, which read the block's hidden state. Activation checkpointing reruns the attention
+    piece but its output projection, and the FFN pair (full, then cheap) but the cheap FFN's down
+    projection: the last matmul of each piece, whose operands are saved before it runs. Nothing
+    upstream trainable (frozen base): only the pair, which holds the cheap FFN, has saved tensors."""
     d, g = model.d_model, routing.depth_gate
     k = dispatch.capacity_k(T, g.budget)
     attn = block_flops(T, d, model.ffn_hidden)
@@ -246,7 +220,9 @@ def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
     train_extra = {"mlp": (T - k) * full_per_token, "cheap": k * cheap_per_token}
     no_grad = {"target_head": 2 * T * 2 * d * z} if g.gate == "jepa" else {}
     inputs = {"cheap": T * 2 * d * g.cheap_hidden * (1 if g.cheap == "low_rank" else 2), "gate": T * 2 * d * h}
-    return LayerFlops(forward, train_extra, no_grad, inputs)
+    pair = {"mlp": T * full_per_token, "cheap": T * cheap_per_token - 2 * T * g.cheap_hidden * d}
+    recompute = {"attn_proj": 2 * T * d * 3 * d, "attn_scores": attn["attn_scores"], **pair}
+    return LayerFlops(forward, train_extra, no_grad, inputs, recompute=recompute, controller_recompute=pair)
 
 
 def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forward: list[int]) -> dict[str, int]:
@@ -269,6 +245,19 @@ def _oracle_flops(model: ModelConfig, routing: RoutingConfig, T: int, layer_forw
     return {"oracle": total}
 
 
+def _flops_assumes(model: ModelConfig, routing: RoutingConfig) -> str:
+    """How many oracle-label passes the training FLOPs count: the ratio to dense hangs on it."""
+    g = routing.depth_gate
+    if not g.needs_oracle:
+        return "oracle passes: none (no utility or rank loss)"
+    gated = sum(routing.is_routed(i) for i in range(model.n_layers))
+    each = f"2 {g.oracle} passes over the rest of the network per labelled block"
+    if not g.oracle_layers or g.oracle_layers >= gated:
+        return f"oracle passes: every gated block every step (oracle_layers {g.oracle_layers}, {gated} gated), {each}"
+    n = f"{g.oracle_layers} block{'s' if g.oracle_layers > 1 else ''}"
+    return f"oracle passes: {n} per step on average (oracle_layers {g.oracle_layers} of {gated} gated), {each}"
+
+
 def _activations(model: ModelConfig, routing: RoutingConfig, T: int, block) -> float:
     g = routing.depth_gate  # both paths for every token: + cheap hidden, cheap output, scorer
     return block(T) + T * (2 * g.cheap_hidden + model.d_model + 2 * g.gate_hidden + 4 * g.latent_dim)
@@ -281,6 +270,11 @@ def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
             f"{g.cheap} {g.cheap_hidden}{oracle}")
 
 
+def _budget(routing: RoutingConfig, T: int) -> float:
+    return dispatch.capacity_k(T, routing.depth_gate.budget) / T
+
+
 DEPTH_GATE = MethodSpec(name="depth_gate", layer=DepthGateLayer, controller=("scorer", "cheap"), flops=_flops,
+                        budget=_budget,
                         model_no_grad=_oracle_flops, activations=_activations, describe=_describe,
-                        syncs_state=True, frozen_base_flops=True)
+                        syncs_state=True, frozen_base_flops=True, flops_assumes=_flops_assumes)

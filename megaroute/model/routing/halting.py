@@ -73,8 +73,9 @@ def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
     return f"halting: {where}, penalty {routing.halting.penalty:g}, tau {routing.halting.tau:g}"
 
 
-# Soft gates are causal already: the second evaluation mode is the hard skip at tau, which is
-# also the mode whose decisions change compute (the audit's).
-HALTING = MethodSpec(name="halting", layer=HaltingLayer, eval_modes={"": "topk", "_hard": "hard"},
+# Soft gates are causal already but run every block for every token; the hard skip at tau is the
+# mode whose decisions change compute (the audit's), so its loss is eval/loss.
+HALTING = MethodSpec(name="halting", layer=HaltingLayer, eval_modes={"_soft": "topk", "_hard": "hard"},
+                     honest_mode="hard",
                      controller=("halt",), flops=_flops, activations=_activations,
                      audit=AuditModes(decisions="hard", causal="hard"), describe=_describe)

@@ -9,8 +9,10 @@ g is `routing.router_weight` (identity or sigmoid). Unselected tokens pass throu
 selected ones attend only to each other, at their original positions (RoPE).
 
 Top-k over the sequence sees the future, so it is for training only. `causal` mode lets each
-token decide alone: from the sign of its own router logit (trained by an auxiliary BCE toward
-top-k membership) or from a small predictor on a stop-gradient copy of x.
+token decide alone, from its own router logit (trained by an auxiliary BCE toward top-k
+membership) or from a small predictor on a stop-gradient copy of x: it runs when that score is
+above the layer's calibrated threshold, the (1 - k/T) quantile of the scores in training
+(calibration.QuantileCut), so causal mode executes the capacity's fraction of tokens.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from ...config import ModelConfig, RoutingConfig
 from ..block import TransformerBlock
 from ..rope import Positions
 from . import dispatch
+from .calibration import QuantileCut
 from .context import RoutingContext
 from .execute import update_selected
-from .spec import LayerFlops, MethodSpec, block_flops, capacity_tokens
+from .spec import LayerFlops, MethodSpec, block_flops, capacity_budget, capacity_tokens
 
 
 def _identity(r: torch.Tensor) -> torch.Tensor:
@@ -60,9 +63,10 @@ class MoDLayer(nn.Module):
         self.aux_loss_weight = cfg.aux_loss_weight
         self.predictor_loss_weight = cfg.predictor_loss_weight
         self.predictor = CausalPredictor(d_model, cfg.predictor_hidden) if cfg.causal_method == "predictor" else None
+        self.cut = QuantileCut(cfg.threshold_momentum)
 
     def causal_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Per-token decision logits that read only the token itself (> 0 means 'process')."""
+        """Per-token decision scores that read only the token itself (compared with self.cut)."""
         return self.predictor(x) if self.predictor is not None else router_logits
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
@@ -70,10 +74,15 @@ class MoDLayer(nn.Module):
         logits = self.router(x).squeeze(-1)
         causal = self.causal_logits(x, logits)
         if not ctx.causal:
-            idx, valid = dispatch.topk_indices(logits, dispatch.capacity_k(T, self.capacity)), None
+            k = dispatch.capacity_k(T, self.capacity)
+            idx, valid = dispatch.topk_indices(logits, k), None
             self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
+            if self.training and torch.is_grad_enabled():
+                self.cut.update(causal, k / T)
         else:
-            idx, valid = dispatch.mask_indices(causal > 0)
+            if ctx.calibrate:
+                self.cut.observe(causal, dispatch.capacity_k(T, self.capacity) / T)
+            idx, valid = dispatch.mask_indices(self.cut(causal))
         idx, valid = ctx.route_indices(name, idx, valid, T)
         selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
         ctx.add_stat(f"{name}/selected_frac", selected)
@@ -91,7 +100,7 @@ class MoDLayer(nn.Module):
         else:
             ctx.add_loss(f"{name}/predictor_bce", F.binary_cross_entropy_with_logits(causal.float(), target.float()),
                          self.predictor_loss_weight)
-        ctx.add_stat(f"{name}/causal_agreement", ((causal > 0) == selected).float().mean())
+        ctx.add_stat(f"{name}/causal_agreement", (self.cut(causal) == selected).float().mean())
 
 
 def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:
@@ -110,4 +119,4 @@ def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
 
 
 MOD = MethodSpec(name="mod", layer=MoDLayer, controller=("router", "predictor"), tokens=capacity_tokens,
-                 flops=_flops, describe=_describe)
+                 budget=capacity_budget, flops=_flops, describe=_describe, syncs_state=True)

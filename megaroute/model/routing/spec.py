@@ -22,8 +22,8 @@ from ...config import Config, ModelConfig, RoutingConfig
 from ...config.schema import ROUTING_METHODS, check_routing_method
 from .dispatch import capacity_k
 
-# Validation metric suffix -> routing mode ("val/loss" + suffix): training mode, then the causal one.
-CAUSAL_EVAL = {"": "topk", "_causal": "causal"}
+# Evaluation metric suffix -> routing mode: training's top-k (val/loss_topk), then the causal one.
+CAUSAL_EVAL = {"_topk": "topk", "_causal": "causal"}
 
 
 def block_flops(n: int, d: int, ffn: int) -> dict[str, int]:
@@ -35,6 +35,16 @@ def block_flops(n: int, d: int, ffn: int) -> dict[str, int]:
     }
 
 
+def block_recompute(n: int, d: int, ffn: int) -> dict[str, int]:
+    """Forward FLOPs activation checkpointing reruns in backward for one block `update` on n tokens:
+    all of `block_flops` but the MLP's down projection. Non-reentrant torch.utils.checkpoint stops
+    recomputing once every tensor saved for backward is back, and the down projection's operands are
+    saved before it runs while its output is saved by nothing (see megaroute.flops)."""
+    flops = block_flops(n, d, ffn)
+    flops["mlp"] -= 2 * n * ffn * d
+    return flops
+
+
 def all_tokens(routing: RoutingConfig, T: int) -> int:
     return T
 
@@ -42,6 +52,11 @@ def all_tokens(routing: RoutingConfig, T: int) -> int:
 def capacity_tokens(routing: RoutingConfig, T: int) -> int:
     """`tokens` of the capacity methods: k = max(1, round(c * T))."""
     return capacity_k(T, routing.capacity)
+
+
+def capacity_budget(routing: RoutingConfig, T: int) -> float:
+    """`budget` of the capacity methods: the k / T that top-k executes in training."""
+    return capacity_k(T, routing.capacity) / T
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,11 @@ class LayerFlops:
     # Frozen-base training: the controller components' first matmuls, which read the block's
     # hidden state (weight gradient only when nothing upstream trains). Keys = what trains.
     controller_inputs: dict[str, int] = field(default_factory=dict)
+    # Activation checkpointing: forward FLOPs recomputed in backward (None: block_recompute on `tokens`).
+    recompute: Optional[dict[str, int]] = None
+    # The same under frozen-base training when nothing upstream trains: the checkpointed pieces that
+    # hold a trainable (controller) weight, the only ones with tensors saved for backward.
+    controller_recompute: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,8 +94,15 @@ class MethodSpec:
     layer: Callable[..., Any]
     # Blocks that are not routed; None = DenseLayer (early exit: every block skips exited tokens).
     unrouted_layer: Optional[Callable[..., Any]] = None
-    # Validation metric suffix -> routing mode, evaluated at every eval.
+    # Evaluation metric suffix -> routing mode, evaluated at every eval (megaroute.metric_names).
     eval_modes: dict[str, str] = field(default_factory=lambda: dict(CAUSAL_EVAL))
+    # The mode whose loss is `eval/loss`, the comparison metric: each token routed from its own past,
+    # at the compute the method really spends ("hard" for halting; dense has one mode).
+    honest_mode: str = "causal"
+    # (routing, T) -> fraction of a sequence's tokens one routed block executes by the method's budget
+    # (the block, the full FFN); causal decisions are calibrated to it (calibration.py). None: no
+    # budget (halting, early exit: compute follows the gates).
+    budget: Optional[Callable[[RoutingConfig, int], float]] = None
     # Submodule names of the trainable routing controller (what controller-only training trains).
     controller: tuple[str, ...] = ()
     # Tokens a routed block's attention and projections run on, per sequence of T (FLOPs, TP traffic).
@@ -95,10 +122,13 @@ class MethodSpec:
     # Cross-section config checks for this method (raise ConfigError).
     check_config: Optional[Callable[[Config], None]] = None
     # Per-rank routing state that training averages over data parallelism after each step
-    # (RoutingStateSync: the depth gates' causal thresholds).
+    # (RoutingStateSync: the calibrated causal thresholds, calibration.QuantileCut).
     syncs_state: bool = False
     # megaroute.flops models the backward of controller-only (frozen-base) training.
     frozen_base_flops: bool = False
+    # (model, routing) -> what the training FLOPs figures assume beyond the shape (the depth gate: how
+    # many blocks the oracle passes label per step); `megaroute inspect` prints it. None: nothing.
+    flops_assumes: Optional[Callable[[ModelConfig, RoutingConfig], str]] = None
 
     @property
     def has_controller(self) -> bool:

@@ -60,7 +60,7 @@ def test_seed_variance_and_paired_differences():
     assert r["variants"]["dense"]["mean"] == pytest.approx(2.1)
     assert r["variants"]["dense"]["std"] == pytest.approx(0.1)
     assert r["variants"]["dense"]["ci_low"] <= 2.1 <= r["variants"]["dense"]["ci_high"]
-    diff = r["vs_dense"]["mod"]  # paired over the seeds both have (1, 2, 3)
+    diff = r["differences"]["mod"]  # paired over the seeds both have (1, 2, 3); see test_seeds.py
     assert diff["n"] == 3 and diff["mean"] == pytest.approx((0.1 + 0.05 + 0.1) / 3)
 
 

@@ -408,3 +408,116 @@ def test_bundled_configs_exist_and_load():
         cfg = load_config(str(REPO / "configs" / "data" / f"{name}.yaml"))
         assert cfg.data.source == "data/tinyshakespeare.txt"
         assert (REPO / cfg.data.source).is_file()
+
+
+# ---------------------------------------------------------------------------------------
+# A local FineWeb-Edu-style Parquet directory with an existing Hugging Face tokenizer (kind hf)
+
+
+def _fineweb_like(root: Path) -> list[str]:
+    """Parquet shards under root/sample/10BT/ with FineWeb-Edu's extra columns, next to what a download
+    also holds (README.md, a hidden .cache/); returns the non-empty documents in shard order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = root / "sample" / "10BT"
+    shards.mkdir(parents=True)
+    rng, docs = random.Random(0), []
+    for i in range(3):
+        texts = [make_text(rng.randint(200, 3000), seed=10 * i + j) for j in range(30)]
+        texts[3] = ""  # an empty document is skipped
+        texts[5] += " ünïcødé ☃ 🐍\n\ttabs"
+        pq.write_table(pa.table({"text": texts, "id": [f"<urn:uuid:{i}-{j}>" for j in range(30)],
+                                 "score": [rng.random() * 5 for _ in range(30)], "int_score": [3] * 30}),
+                       shards / f"{i:03d}_00000.parquet", row_group_size=7)
+        docs += [t for t in texts if t]
+    (root / "README.md").write_text("---\nlicense: odc-by\n---\n# FineWeb-Edu\n")
+    (root / ".cache").mkdir()
+    (root / ".cache" / "download.lock").write_text("")
+    return docs
+
+
+def test_fineweb_parquet_directory_with_hf_tokenizer_end_to_end(tmp_path):
+    """The shipped data config, pointed at local files: a directory of Parquet shards and a Hugging Face
+    tokenizer directory. Every document is its ids then the EOS; nothing is lost or duplicated."""
+    from dataclasses import replace
+
+    from megaroute.config import load_config
+    from megaroute.data.tokenizers import HFTokenizer
+
+    from .hf_tokenizer_dirs import bpe_tokenizer_dir
+
+    docs = _fineweb_like(tmp_path / "fineweb-edu")
+    tok_dir = bpe_tokenizer_dir(tmp_path / "gpt2")
+    out = tmp_path / "prepared"
+    cfg = load_config(str(REPO / "configs" / "data" / "fineweb_edu_parquet.yaml"),
+                      [f"data.source={tmp_path / 'fineweb-edu'}", f"data.tokenizer.path={tok_dir}",
+                       f"data.output_dir={out}", "data.num_workers=1", "data.val_fraction=0.2"])
+    assert (cfg.data.format, cfg.data.tokenizer.kind) == ("parquet", "hf")
+    index = prep.prepare(cfg.data, progress=False)
+
+    ref = HFTokenizer.from_dir(str(tok_dir))
+    tok = load_tokenizer(str(out))
+    assert tok.kind == index["tokenizer"]["kind"] == "hf" and tok.hash == ref.hash == index["tokenizer"]["sha256"]
+    assert (index["vocab_size"], index["eos_id"], index["dtype"]) == (ref.vocab_size, ref.eos_id, "uint16")
+    assert ref.eos_id is not None and index["tokenizer"]["source_path"] == str(tok_dir)
+    shards = sorted(str(p) for p in (tmp_path / "fineweb-edu").rglob("*.parquet"))
+    assert [f["path"] for f in index["source"]["files"]] == shards  # README.md and .cache/ are not read
+    assert index["source"]["rows"] == 90
+
+    train, val = stream(out, index, "train"), stream(out, index, "val")
+    splits = index["splits"]
+    assert splits["train"]["num_documents"] + splits["val"]["num_documents"] == len(docs)
+    assert splits["train"]["num_tokens"] == len(train) and splits["val"]["num_tokens"] == len(val)
+    assert len(train) + len(val) == sum(len(ref.encode(d)) + 1 for d in docs)
+    decoded = []
+    for ids in (train, val):
+        assert ids[-1] == ref.eos_id  # whole documents per split
+        ends = np.flatnonzero(ids == ref.eos_id)
+        decoded += [tok.decode(piece[:-1]) for piece in np.split(ids, ends + 1)[:-1]]
+    assert sorted(decoded) == sorted(docs)
+    assert [d for d in docs if d in set(decoded[:splits["train"]["num_documents"]])] == \
+           decoded[:splits["train"]["num_documents"]]  # in corpus order
+
+    # What a run opens: the model's padded vocabulary (50304) and the tokenizer hash.
+    ds = PackedDataset(str(out), "train", seq_len=64, vocab_size=cfg.model.vocab_size, tokenizer_hash=tok.hash,
+                       verify="full")
+    assert ds.num_tokens == len(train)
+    # Deterministic: the same config gives the same bytes.
+    prep.prepare(replace(cfg.data, output_dir=str(tmp_path / "again")), progress=False)
+    assert dir_bytes(out) == dir_bytes(tmp_path / "again")
+
+
+def test_parquet_directory_takes_its_parquet_files(tmp_path):
+    import megaroute.data.ingest as ingest
+
+    _fineweb_like(tmp_path / "ds")
+    with pytest.raises(DataError, match=r"mixes formats \['parquet', 'text'\]; set data.format"):
+        ingest.check_source(config(tmp_path / "ds", tmp_path / "out"))  # auto: README.md is text
+    ingest.check_source(config(tmp_path / "ds", tmp_path / "out", format="parquet"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("text\n")
+    with pytest.raises(DataError, match=r"data.source: directory '.*notes' has no parquet files"):
+        prep.prepare(config(tmp_path / "notes", tmp_path / "o2", format="parquet"), progress=False)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_hf_tokenizer_checked_before_the_corpus_is_read(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from .hf_tokenizer_dirs import bpe_tokenizer_dir
+
+    _fineweb_like(tmp_path / "ds")
+    cfg = config(tmp_path / "ds", tmp_path / "out", format="parquet",
+                 tokenizer=TokenizerConfig(kind="hf", path=str(tmp_path / "nope")))
+    monkeypatch.setattr(prep, "open_corpus", lambda *a, **k: pytest.fail("the corpus was opened"))
+    for check in (lambda c: prep.prepare(c, progress=False), prep.preflight):
+        with pytest.raises(DataError, match=r"^data.tokenizer.path: .*nope not found"):
+            check(cfg)
+    assert not (tmp_path / "out").exists()
+    # With the model's vocabulary (the launcher's data check): a tokenizer larger than the model is refused.
+    good = replace(cfg, tokenizer=TokenizerConfig(kind="hf", path=str(bpe_tokenizer_dir(tmp_path / "tok"))))
+    prep.preflight(good, model_vocab_size=512)
+    with pytest.raises(DataError, match=r"^data.tokenizer.path: the tokenizer at .*tok has \d+ ids, more than "
+                                        r"model.vocab_size=256; set model.vocab_size >= \d+"):
+        prep.preflight(good, model_vocab_size=256)

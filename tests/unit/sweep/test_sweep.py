@@ -157,9 +157,9 @@ def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsy
         run = client.create_run(exp, run_name=p.run_name, tags={**load_config(p.config_path, p.overrides).tracking.tags,
                                                                  "mlflow.parentRunId": parent})
         loss = 3.0 - 0.1 * (p.size == "d64") - 0.05 * (p.variant == "mod")
-        client.log_metric(run.info.run_id, "val/loss", loss)
-        if p.variant == "mod":  # routed runs also log their causal-decision loss
-            client.log_metric(run.info.run_id, "val/loss_causal", loss + 0.2)
+        client.log_metric(run.info.run_id, "eval/loss", loss)
+        if p.variant == "mod":  # routed runs also log the training-mode (top-k) loss, which flatters
+            client.log_metric(run.info.run_id, "val/loss_topk", loss - 0.2)
         client.set_terminated(run.info.run_id, "FINISHED" if p.index != 7 else "FAILED")
 
     assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "out")]) == 0
@@ -170,11 +170,12 @@ def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsy
     logged = {a.path for a in client.list_artifacts(parent, "analysis")}
     assert "analysis/isoflop_frontier.png" in logged and "analysis/isoflop_table.csv" in logged
 
-    # Default: the causal (no future information) loss where a run has one; --metric topk: val/loss.
+    # Default: eval/loss (no future information); --metric topk: the training-mode figure where a run has one.
     assert main(["sweep", "analyze", str(TINY), f"tracking.uri={uri}", "--out", str(tmp_path / "topk"),
                  "--metric", "topk"]) == 0
-    assert "Loss: final val/loss_causal or val/loss" in table
-    assert "Loss: final val/loss of" in (tmp_path / "topk/isoflop_table.md").read_text()
+    assert "Loss: final eval/loss (autoregressive" in table
+    assert "Loss: final val/loss_topk or val/loss_soft or eval/loss (training-mode routing: not comparable" in (
+        tmp_path / "topk/isoflop_table.md").read_text()
 
     def optimum(out, variant):
         rows = list(csv.DictReader(open(tmp_path / out / "isoflop_table.csv")))
@@ -184,7 +185,7 @@ def test_analyze_reads_runs_and_writes_table_plots_and_artifacts(tmp_path, capsy
     assert optimum("out", "dense") == optimum("topk", "dense")
 
     capsys.readouterr()
-    assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "--metric", "val/loss",
+    assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "--metric", "eval/loss",
                  "--out", str(tmp_path / "cmp.png"), points[0].run_name, points[1].run_name]) == 0
-    assert (tmp_path / "cmp.png").exists() and "val/loss=3.0000" in capsys.readouterr().out
+    assert (tmp_path / "cmp.png").exists() and "eval/loss=3.0000" in capsys.readouterr().out
     assert main(["compare", "--experiment", "tiny-isoflop", "--tracking-uri", uri, "no-such-run"]) == 1

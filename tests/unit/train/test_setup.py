@@ -200,6 +200,57 @@ def test_loop_exit_interval_stops_early_and_completion_is_reported():
     assert state.stop_reason == "complete" and state.step == 4
 
 
+class _Saves:
+    """A CheckpointManager that records what each save would hold."""
+
+    def __init__(self):
+        self.saved: list[tuple[int, dict]] = []
+
+    def save(self, engine, step, client_state):
+        self.saved.append((step, client_state))
+
+
+class _StopAt:
+    """Asks to stop once `reads` steps have read the flag."""
+
+    def __init__(self, reads):
+        self.reads = reads
+
+    @property
+    def requested(self):
+        self.reads -= 1
+        return self.reads < 0
+
+
+@pytest.mark.parametrize("losses,kw,saved_at,reason", [
+    ([1.0] * 8, dict(exit_interval=4), [2, 4], "exit_interval"),      # periodic save at the exit step: once
+    ([1.0] * 8, dict(exit_interval=3), [2, 3], "exit_interval"),      # the final save after the last eval
+    ([1.0] * 8, dict(stop_signal=_StopAt(4)), [2, 4, 5], "signal"),   # the step that saw the signal
+    ([1.0, math.nan, math.nan, math.nan, 1.0], {}, [2, 4], "nonfinite"),
+    ([1.0] * 5, {}, [2, 4, 5], "complete"),
+])
+def test_checkpoints_hold_the_summaries_of_their_step_eval_included(losses, kw, saved_at, reason):
+    """Every stop path saves once per step, after that step's evaluation: a run resumed from any of
+    these checkpoints carries on the running summaries as an unbroken run does."""
+    from megaroute import metric_names as names
+    from megaroute.train.callbacks import LossSummary, PeriodicCheckpoint
+
+    summary, manager, state = LossSummary([1.5, 0.5]), _Saves(), TrainState()
+    ckpt = PeriodicCheckpoint(manager, 2, lambda: {"train_state": state.state_dict(),
+                                                   "loss_summary": summary.state_dict()})
+    evals = iter(3.0 - 0.5 * i for i in range(100))  # 3.0, 2.5, ...
+    trainer = _trainer(losses, eval_interval=2, callbacks=[summary, ckpt], state=state,
+                       **{"max_nonfinite_steps": 3, **kw})
+    trainer.evaluate = lambda: {names.LOSS: next(evals)}
+    assert trainer.fit().stop_reason == reason
+    assert [step for step, _ in manager.saved] == saved_at
+    for step, client in manager.saved:
+        assert client["train_state"]["step"] == step
+        n_evals = step // 2 + (step % 2 and step == len(losses))  # every 2nd step, and the last one
+        assert client["loss_summary"]["val_n"] == n_evals, (step, client)
+        assert client["loss_summary"]["train_n"] == sum(math.isfinite(x) for x in losses[:step])
+
+
 # ----------------------------------------------------------------------------- checks before the process group
 
 

@@ -238,7 +238,7 @@ def test_causal_mode_is_causal_and_uses_the_learned_threshold(make_model, gate):
     tokens = tokens_for(cfg, 2, 20)
     model(tokens, tokens)  # one training forward sets the running top-k cut
     layer = gated_layers(model)[1]
-    assert layer.threshold_updates.item() == 1 and layer.causal_threshold.item() != 0
+    assert layer.cut.updates.item() == 1 and layer.cut.threshold.item() != 0
     model.eval()
     t = 11
     other = tokens.clone()
@@ -251,17 +251,6 @@ def test_causal_mode_is_causal_and_uses_the_learned_threshold(make_model, gate):
     assert not torch.allclose(a.logits[:, t + 1:], b.logits[:, t + 1:])
     # Top-k is sequence-wide (not causal); causal decisions are per token against the threshold.
     assert topk.routing_stats["layer_1/full_frac"].item() == pytest.approx(10 / 20)
-
-
-def test_threshold_is_the_running_cut_between_selected_and_unselected(make_model):
-    model, cfg = make_model(*G1, "routing.depth_gate.threshold_momentum=0.0")
-    layer = gated_layers(model)[0]
-    seen = {}
-    layer.scorer.register_forward_hook(lambda m, inp, out: seen.__setitem__("s", out[0].detach()))
-    model(tokens_for(cfg, 3, 10))
-    s = seen["s"].sort(dim=1, descending=True).values
-    expected = ((s[:, 4] + s[:, 5]) / 2).mean()
-    assert layer.causal_threshold.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_no_oracle_work_without_targets_or_weights(make_model, monkeypatch):
@@ -284,32 +273,6 @@ def test_oracle_layers_labels_a_random_subset_per_step(make_model):
     assert 0.5 < sum(counts) / len(counts) < 1.6 and max(counts) <= 4
 
 
-def _thresholds_after_sync(rank: int, world_size: int, overrides: tuple[str, ...]):
-    from megaroute.config import load_config
-    from megaroute.model import build_model
-    from megaroute.model.routing import average_causal_thresholds
-
-    cfg = load_config(None, list(overrides))
-    torch.manual_seed(0)
-    model = build_model(cfg.model, cfg.routing, device="cpu")
-    model(tokens_for(cfg, 2, 16, seed=rank))  # a training forward on this rank's own batch
-    before = torch.stack([layer.causal_threshold.clone() for layer in gated_layers(model)])
-    average_causal_thresholds(model)
-    return before, torch.stack([layer.causal_threshold.clone() for layer in gated_layers(model)])
-
-
-def test_causal_thresholds_are_averaged_over_data_parallel_ranks():
-    from megaroute.parallel.testing import run_distributed
-
-    overrides = ("model.vocab_size=97", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-                 "model.max_seq_len=64", "data.seq_len=32", "data.tokenizer.vocab_size=97", "tracking.enabled=false",
-                 *G1, "routing.depth_gate.threshold_momentum=0.0")
-    (before0, after0), (before1, after1) = run_distributed(_thresholds_after_sync, 2, overrides)
-    assert not torch.equal(before0, before1)  # different batches, different running cuts
-    assert torch.equal(after0, after1)
-    torch.testing.assert_close(after0, (before0 + before1) / 2)
-
-
 @pytest.mark.parametrize("gate", [G1, G3])
 def test_activation_checkpointing_recomputes_the_paths_not_the_router(make_config, gate):
     from megaroute.model import build_model
@@ -324,7 +287,7 @@ def test_activation_checkpointing_recomputes_the_paths_not_the_router(make_confi
         out = model(tokens, targets)
         out.loss.backward()
         runs.append((out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-                     [int(layer.threshold_updates) for layer in gated_layers(model)]))
+                     [int(layer.cut.updates) for layer in gated_layers(model)]))
     (loss0, grads0, updates0), (loss1, grads1, updates1) = runs
     assert torch.equal(loss0, loss1)
     assert grads0.keys() == grads1.keys()

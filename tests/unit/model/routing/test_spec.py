@@ -79,7 +79,7 @@ def test_toy_method_in_inspect_memory_and_audit(every_other, make_config, make_m
     dense = activation_bytes(cfg.model, RoutingConfig(), 32, 2, cfg.train.precision)
     assert 0 < info["memory"]["activation_bytes"] < dense
 
-    assert "every_other" in auditable_methods() and eval_modes("every_other") == {"": "topk", "_causal": "causal"}
+    assert "every_other" in auditable_methods() and eval_modes("every_other") == {"_topk": "topk", "_causal": "causal"}
     model, cfg = make_model("routing.method=every_other")
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 97, (2, 32), generator=g), torch.randint(0, 97, (2, 32), generator=g))]
