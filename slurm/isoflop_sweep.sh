@@ -5,7 +5,10 @@
 #
 # Submitted like this, the job is the sweep's submitter: `megaroute sweep submit` plans the
 # sweep (array size = number of points), opens the parent MLflow run, submits the array with the
-# spec's `sbatch:` resources and an analysis job that runs after it. Each array task then
+# spec's `sbatch:` resources and an analysis job that runs after it (afterany): `megaroute sweep
+# analyze --finish-parent` writes a new <runs_dir>/analysis/eval-<UTC time>/ and a new MLflow
+# child run of the parent, then ends the parent run FINISHED (FAILED if the analysis fails), with
+# tags counting the failed and missing points. Each array task then
 # resolves its own point (`megaroute sweep point --index $SLURM_ARRAY_TASK_ID`) and becomes
 # slurm/pretrain.sh for it, so preemption and requeue work per point. Submit from the
 # repository root (or set MEGAROUTE_REPO); PYTHON picks the interpreter.

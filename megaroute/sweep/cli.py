@@ -1,9 +1,11 @@
-"""`megaroute sweep plan|point|submit|analyze`: the sweep's command line.
+"""`megaroute sweep plan|point|submit|run|analyze`: the sweep's command line.
 
     megaroute sweep plan SPEC [key=value ...] [--dry-run]   points table (+ exact commands)
     megaroute sweep submit SPEC [key=value ...]             parent MLflow run, array job, analysis job
     megaroute sweep point SPEC --index I [key=value ...]    slurm/pretrain.sh arguments of point I
-    megaroute sweep analyze SPEC [key=value ...] [--out D]  isoFLOP fits, table and plots from MLflow
+    megaroute sweep run SPEC --local [--parallel N] [key=value ...]   the points on this machine, then analyze
+    megaroute sweep analyze SPEC [key=value ...] [--out D]  isoFLOP fits, table and plots from MLflow, in a new
+                                                            folder D/<metric>-<UTC time>/ and a new analysis child run
 
 Trailing key=value overrides apply to every point (after the spec's own overrides).
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from ..config import load_config
 from ..train.tracking import default_uri
-from . import report
+from . import local, report
 from .plan import format_table, plan, pretrain_command
 from .spec import load_spec
 from .mlflow_runs import open_parent_run, require_server_uri
@@ -27,9 +29,22 @@ from .mlflow_runs import open_parent_run, require_server_uri
 REPO = Path(__file__).resolve().parents[2]
 
 
+class _OverridesAnywhere(argparse.ArgumentParser):
+    """key=value overrides may also follow the options (`sweep run SPEC --local --parallel 2 k=v`): argparse
+    fills the positional list before the options and would reject the ones after them."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        late = [e for e in extras if "=" in e and not e.startswith("-")]
+        if late and isinstance(getattr(namespace, "overrides", None), list):
+            namespace.overrides += late
+            extras = [e for e in extras if e not in late]
+        return namespace, extras
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("sweep", help="plan, submit and analyze isoFLOP sweeps")
-    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = sub.add_parser("sweep", help="plan, submit, run and analyze isoFLOP sweeps")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=_OverridesAnywhere)
 
     def spec_parser(name: str, help: str, func) -> argparse.ArgumentParser:
         a = actions.add_parser(name, help=help)
@@ -47,8 +62,19 @@ def add_parser(sub) -> None:
     submit = spec_parser("submit", "open the parent MLflow run and submit the array and analysis jobs",
                          run_submit)
     submit.add_argument("--max-parallel", type=int, default=None, help="array throttle (%%N)")
+    run = spec_parser("run", "run the sweep's points on this machine (resumable), then analyze (megaroute.sweep.local)",
+                      run_local)
+    run.add_argument("--local", action="store_true", required=True,
+                     help="run here, one process per point (required: on Slurm use sbatch slurm/isoflop_sweep.sh)")
+    run.add_argument("--parallel", type=int, default=1, metavar="N", help="points at a time (default 1)")
+    run.add_argument("--out", default=None, help="analysis base directory, as analyze (default: <runs_dir>/analysis)")
+    run.add_argument("--metric", choices=("eval", "topk"), default="eval", help="loss the analysis fits (as analyze)")
     analyze = spec_parser("analyze", "fit isoFLOP curves from the sweep's MLflow runs; table + plots", run_analyze)
-    analyze.add_argument("--out", default=None, help="output directory (default: <runs_dir>/analysis)")
+    analyze.add_argument("--out", default=None, help="base directory; each analysis writes a new "
+                         "<out>/<metric>-<UTC time>/ (default: <runs_dir>/analysis)")
+    analyze.add_argument("--finish-parent", action="store_true",
+                         help="then end the sweep's parent run: FINISHED (failed points counted in its tags), "
+                              "FAILED if the analysis fails (the Slurm analysis job passes this)")
     analyze.add_argument("--metric", choices=("eval", "topk"), default="eval",
                          help="eval (default): eval/loss, the autoregressive loss at the compute each run executed "
                               "(no future information); topk: the training-mode figure (val/loss_topk routes by "
@@ -100,22 +126,34 @@ def run_submit(args) -> int:
     spec, points = _load(args)
     uri, experiment, out_dir = _tracking(points)
     require_server_uri(uri, spec.path)
-    params = {"spec": spec.path, "budgets": ",".join(f"{b:.3g}" for b in spec.budgets),
-              "sizes": ",".join(spec.sizes), "variants": ",".join(v.name for v in spec.variants),
-              "seeds": ",".join(map(str, spec.seeds)), "points": str(len(points)),
-              "overrides": " ".join(args.overrides)[:500]}
-    parent = open_parent_run(uri, experiment, spec.name, params)
+    parent = open_parent_run(uri, experiment, spec.name, _parent_params(spec, points, args.overrides))
     array_id = _sbatch(_array_command(spec, len(points), args.overrides, args.max_parallel, parent))
     os.makedirs(out_dir, exist_ok=True)
     analyze = shlex.join([sys.executable, "-m", "megaroute.cli", "sweep", "analyze", spec.path, *args.overrides,
-                          "--out", out_dir])
-    # afterany: analyze whatever finished; failed points are listed as left out.
+                          "--out", out_dir, "--finish-parent"])
+    # afterany: analyze whatever finished; failed points are listed as left out. --finish-parent then ends the
+    # parent run (FINISHED, tags points_failed/points_missing; FAILED if the analysis fails).
     analysis_id = _sbatch(["sbatch", "--parsable", f"--dependency=afterany:{array_id}", "--nodes=1", "--ntasks=1",
                            f"--job-name={spec.name}-analyze", f"--output={out_dir}/slurm-%j.out",
                            f"--wrap={analyze}"])
     print(f"sweep {spec.name}: {len(points)} points as array job {array_id}, analysis job {analysis_id}, "
           f"MLflow parent run {parent} in {experiment!r} at {uri}", flush=True)
     return 0
+
+
+def _parent_params(spec, points, overrides) -> dict[str, str]:
+    """Params of the sweep's parent run (logged once, by whichever submission creates it)."""
+    return {"spec": spec.path, "budgets": ",".join(f"{b:.3g}" for b in spec.budgets),
+            "sizes": ",".join(dict.fromkeys(p.size for p in points))[:500],
+            "variants": ",".join(v.name for v in spec.variants),
+            "seeds": ",".join(map(str, spec.seeds)), "points": str(len(points)),
+            "overrides": " ".join(overrides)[:500]}
+
+
+def run_local(args) -> int:
+    spec, points = _load(args)
+    return local.run_local(spec, tuple(args.overrides), args.parallel, _parent_params(spec, points, args.overrides),
+               args.out, args.metric)
 
 
 def _sbatch(cmd: list[str]) -> str:
@@ -129,7 +167,10 @@ def run_analyze(args) -> int:
     spec, points = _load(args)
     uri, experiment, default_out = _tracking(points)
     out = args.out or default_out
-    files = report.analyze_sweep(uri, experiment, spec.name, out, args.metric)
-    for f in files:
+    result = report.analyze_sweep(uri, experiment, spec.name, out, args.metric, finish=args.finish_parent)
+    for f in result.files:
         print(f)
+    print(f"analysis run {result.run_id} in {experiment!r} at {uri}"
+          + (f" (child of parent run {result.parent}{', now ended' if args.finish_parent else ''})"
+             if result.parent else " (the sweep has no parent run)"))
     return 0

@@ -1,14 +1,22 @@
 """`megaroute compare`: overlay metric curves of chosen MLflow runs in one PNG.
 
-    megaroute compare --experiment isoflop RUN [RUN ...] [--metric eval/loss ...] [--out compare.png]
+    megaroute compare --experiment isoflop RUN [RUN ...] [--metric eval/loss ...] [--x flops|step] [--out compare.png]
 
 RUN is a run name (unique in the experiment) or a run id. The tracking URI is --tracking-uri,
 else $MLFLOW_TRACKING_URI, else the local store runs/mlflow.db.
+
+The x axis is training FLOPs by default: runs of different sizes or routing spend different FLOPs
+per step, so curves against step do not compare. A value logged at step s is placed at the run's
+train/flops_seen at s, interpolated linearly between the steps it was logged at (every
+train.log_interval and the last step; FLOPs per step are constant) and extrapolated at the last
+logged rate. `--x step` plots against the optimizer step instead.
 """
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from .. import metric_names as names
 from ..train.tracking import default_uri
@@ -22,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--metric", action="append", default=None, help="metric key (repeatable; "
                    "default train/loss and eval/loss, the autoregressive loss; eval/exec_frac is its compute)")
     p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--x", choices=("flops", "step"), default="flops",
+                   help="x axis: training FLOPs (train/flops_seen; default) or optimizer step")
     p.add_argument("--out", default="compare.png")
     p.set_defaults(func=run)
 
@@ -31,7 +41,16 @@ def run(args) -> int:
     metrics = args.metric or ["train/loss", names.LOSS]
     runs = find_runs(uri, args.experiment, args.runs)
     curves = {(run_id, key): metric_history(uri, run_id, key) for run_id, _ in runs for key in metrics}
-    plot(args.out, runs, metrics, curves)
+    x = getattr(args, "x", "flops")
+    plotted = curves
+    if x == "flops":
+        flops = {run_id: metric_history(uri, run_id, FLOPS) for run_id, _ in runs}
+        lacking = [f"{name} ({run_id})" for run_id, name in runs if not flops[run_id]]
+        if lacking:
+            raise LookupError(f"no {FLOPS} history in {', '.join(lacking)}: cannot place them on a FLOPs axis; "
+                              "use --x step")
+        plotted = {(run_id, key): steps_to_flops(pts, flops[run_id]) for (run_id, key), pts in curves.items()}
+    plot(args.out, runs, metrics, plotted, xlabel=XLABEL[x])
     for run_id, name in runs:
         finals = "  ".join(f"{k}={curves[run_id, k][-1][1]:.4f}" for k in metrics if curves[run_id, k])
         print(f"{name} ({run_id}): {finals or 'no values for ' + ', '.join(metrics)}")
@@ -39,7 +58,26 @@ def run(args) -> int:
     return 0
 
 
-def plot(path: str, runs: list[tuple[str, str]], metrics: list[str], curves: dict) -> None:
+FLOPS = "train/flops_seen"
+XLABEL = {"flops": f"training FLOPs ({FLOPS})", "step": "optimizer step"}
+
+
+def steps_to_flops(points: list[tuple[int, float]], flops: list[tuple[int, float]]) -> list[tuple[float, float]]:
+    """(step, value) -> (training FLOPs at that step, value), from the run's (step, train/flops_seen) history:
+    linear between logged steps (and from (0, 0)), at the last logged FLOPs per step beyond them."""
+    known = sorted({0: 0.0, **dict(flops)}.items())
+    xs = np.array([s for s, _ in known], dtype=float)
+    fs = np.array([f for _, f in known], dtype=float)
+    rate = (fs[-1] - fs[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    out = []
+    for step, value in points:
+        f = np.interp(step, xs, fs) if step <= xs[-1] else fs[-1] + rate * (step - xs[-1])
+        out.append((float(f), value))
+    return out
+
+
+def plot(path: str, runs: list[tuple[str, str]], metrics: list[str], curves: dict,
+         xlabel: str = XLABEL["step"]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -51,7 +89,7 @@ def plot(path: str, runs: list[tuple[str, str]], metrics: list[str], curves: dic
             pts = curves[run_id, key]
             if pts:
                 ax.plot(*zip(*pts), marker="." if len(pts) < 20 else None, label=name)
-        ax.set(xlabel="step", ylabel=key, title=key)
+        ax.set(xlabel=xlabel, ylabel=key, title=key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)

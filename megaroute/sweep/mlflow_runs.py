@@ -1,4 +1,11 @@
-"""A sweep's MLflow runs: opening its parent run, and reading back the finished point runs.
+"""A sweep's MLflow runs: opening and ending its parent run, reading back the point runs, and one
+child run per analysis.
+
+Layout in the experiment, all tagged sweep_id=<sweep>:
+    parent run      sweep_role=parent; RUNNING while the sweep runs, ended by `finish_parent`
+    point runs      children of the parent, tagged variant/size/budget/seed/n_params (no sweep_role)
+    analysis runs   children of the parent, sweep_role=analysis, metric=<eval|topk>, one per
+                    `sweep analyze`, named analysis-<metric>-<UTC time>: results are never overwritten
 
 Training runs log through megaroute.train.tracking (a child process that never blocks
 training). This module is for short-lived CLI commands, so it uses MlflowClient directly.
@@ -12,6 +19,10 @@ from typing import Optional
 
 from .. import metric_names as names
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
+
+ROLE_ANALYSIS = "analysis"
+TAG_METRIC = "metric"            # analysis runs: the --metric choice (eval | topk)
+TAG_LOSS_KEYS = "loss_metrics"   # analysis runs: the metric keys read, in order of preference
 from .spec import SweepSpecError
 
 
@@ -59,7 +70,60 @@ def open_parent_run(uri: str, experiment: str, sweep: str, params: dict[str, str
         run_id = run.info.run_id
         for k, v in params.items():
             client.log_param(run_id, k, v)
+    elif client.get_run(run_id).info.status != "RUNNING":  # resubmitted after it was finished
+        client.update_run(run_id, status="RUNNING")
     return run_id
+
+
+def start_analysis_run(uri: str, experiment: str, sweep: str, parent: Optional[str], metric: str,
+                       loss_keys: tuple[str, ...], stamp: str) -> str:
+    """A new child run of the sweep's parent (a top-level run when there is none) for one analysis:
+    named analysis-<metric>-<stamp>, tagged sweep_id, sweep_role=analysis, metric, loss_metrics."""
+    client = _client(uri)
+    exp_id = experiment_id(client, experiment)
+    tags = {TAG_SWEEP: sweep, TAG_ROLE: ROLE_ANALYSIS, TAG_METRIC: metric, TAG_LOSS_KEYS: ",".join(loss_keys)}
+    if parent is not None:
+        tags["mlflow.parentRunId"] = parent
+    return client.create_run(exp_id, run_name=f"analysis-{metric}-{stamp}", tags=tags).info.run_id
+
+
+def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
+    client = _client(uri)
+    for k, v in tags.items():
+        client.set_tag(run_id, k, v)
+
+
+def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    _client(uri).set_terminated(run_id, status)
+
+
+def finish_parent(uri: str, experiment: str, sweep: str, status: str = "FINISHED",
+                  tags: Optional[dict[str, str]] = None) -> Optional[str]:
+    """Ends the sweep's parent run with `status` (FINISHED, FAILED, KILLED) and tags it with the
+    points' outcome: points_finished / points_failed (runs in any other state: FAILED, KILLED, or
+    still RUNNING when their task died) / points_missing (planned, param `points`, without a run)
+    and points_runs. Returns the parent run id, None when the sweep has no parent run.
+
+    The Slurm analysis job calls it (`sweep analyze --finish-parent`) with FINISHED when the
+    analysis ran, whatever the points did (their counts are in the tags and the analysis table lists
+    every run left out), FAILED when the analysis itself failed. A later resubmission reopens it."""
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
+    parent = find_parent_run(client, exp.experiment_id, sweep)
+    if parent is None:
+        return None
+    _, points = sweep_runs(uri, experiment, sweep)
+    finished = sum(p.status == "FINISHED" for p in points)
+    counts = {"points_runs": len(points), "points_finished": finished, "points_failed": len(points) - finished}
+    planned = client.get_run(parent).data.params.get("points")
+    if planned is not None and planned.isdigit():
+        counts["points_missing"] = max(0, int(planned) - len(points))
+    for k, v in {**{k: str(v) for k, v in counts.items()}, **(tags or {})}.items():
+        client.set_tag(parent, k, v)
+    client.set_terminated(parent, status)
+    return parent
 
 
 def log_artifacts(uri: str, run_id: str, paths: list[str], artifact_path: str) -> None:
@@ -79,6 +143,9 @@ class RunResult:
     n_params: int
     status: str
     val_loss: Optional[float]
+    loss_key: Optional[str] = None   # which of the requested metrics val_loss is
+    routing: Optional[str] = None    # the run's routing method (tag "routing"; "none" = dense)
+    lr_mult: float = 1.0             # the point's learning-rate multiplier (tag lr_mult; sweeps with lr_sweep)
 
 
 # Loss metrics in order of preference per run (megaroute.metric_names). `sweep analyze` reads eval/loss
@@ -104,15 +171,18 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
         token = page.token
         if not token:
             break
-    parent = next((r.info.run_id for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), None)
+    parents = sorted((r for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), key=lambda r: r.info.start_time)
+    parent = parents[0].info.run_id if parents else None  # the one find_parent_run opens
     results = []
     for r in runs:
         t = r.data.tags
-        if t.get(TAG_ROLE) == ROLE_PARENT:
+        if t.get(TAG_ROLE):  # the parent, analysis runs: not points
             continue
+        key = next((m for m in metrics if m in r.data.metrics), None)
         results.append(RunResult(r.info.run_id, r.info.run_name, t["variant"], t["size"], float(t["budget"]),
                                  int(t["seed"]), int(t["n_params"]), r.info.status,
-                                 next((r.data.metrics[m] for m in metrics if m in r.data.metrics), None)))
+                                 r.data.metrics[key] if key else None, key, t.get("routing"),
+                                 float(t.get("lr_mult") or 1.0)))
     return parent, results
 
 

@@ -1,17 +1,41 @@
 """Sweep spec: the YAML file that describes an isoFLOP sweep (configs/sweeps/*.yaml).
 
-    name: isoflop-v1                 # sweep id: tags every run, names run directories
+    name: isoflop-v2                 # sweep id: tags every run, names run directories
     experiment: isoflop              # MLflow experiment of all runs and the parent run
     budgets: [1.0e19, 3.0e19]        # training FLOPs per run
-    sizes: {157m: [], 350m: []}      # size name -> overrides ({size} fills variant config paths)
     variants:                        # variant name -> base config (+ overrides)
-      dense: {config: ../dense_{size}.yaml}
-      mod:   {config: ../mod_{size}.yaml, overrides: [routing.capacity=0.125]}
+      dense: {config: ../base_sweep.yaml}
+      mod:   {config: ../base_sweep.yaml, overrides: [routing.method=mod, routing.capacity=0.125]}
+    design:                          # sizes per (budget, variant) from rules (megaroute/sweep/design.py)
+      sizes: 5                       # >= 5 per budget, evenly spaced in log N ...
+      span: 4.0                      # ... the largest `span` x the smallest, centred on the prior optimum N*
+      tokens_per_param: 20           # prior: C = FLOPs/token(N) x 20 x N, N = TOTAL parameters
+      shape: {d_multiple: 64, head_dim: 64, aspect: 48, aspect_range: [24, 96], min_layers: 4, tolerance: 0.03,
+              ffn_ratio: null}     # [lo, hi]: d_ff free in lo..hi x d_model (tiny models)
+    lr: {rule: width, base: 6.0e-4, d_ref: 768, power: 1.0, min_lr_ratio: 0.1}   # or {rule: compute, coef, exponent}
+    batch: {rule: compute, coef: 0.292, exponent: 0.3271}                     # or {rule: fixed}; data_parallel: N
+    schedule: {warmup_fraction: 0.05, min_warmup_steps: 0, decay_fraction: 0.2}
+    lr_sweep: [0.5, 1.0, 2.0]        # optional: a point per lr multiplier; the analysis keeps the best
+    min_tokens_per_param: 2          # refuse points below (default 2 with `design:`, none with `sizes:`)
     seeds: [0]
     overrides: [tracking.uri=http://mlflow:5000]   # applied to every point
     gpu: a100                        # slurm/pretrain.sh --gpu: a100 (bf16), v100 (fp16), cpu
     sbatch: [--nodes=1, --ntasks-per-node=8, --gpus-per-node=8]   # resources of one array task
     mfu: 0.4                         # assumed utilisation for the GPU-hour estimate
+
+Instead of `design:`, `sizes:` lists fixed sizes, the same at every budget (size name -> overrides;
+`{size}` in a variant's config path picks configs/<variant>_<size>.yaml):
+
+    sizes: {157m: [], 350m: []}
+    variants: {dense: {config: ../dense_{size}.yaml}}
+
+With `sizes:`, an absent `lr:`, `batch:` or `schedule:` section leaves the configs' values (optim.lr,
+train.global_batch_size, optim.warmup_steps); with `design:` each defaults to its documented rule
+(every constant has the default shown above: megaroute/sweep/design.py). A section's keys depend on
+its rule (lr width: base, d_ref, power; lr compute: coef, exponent; batch compute: coef, exponent).
+A key a rule sets per point (model.d_model/n_layers/n_heads with `design:`, optim.lr and
+optim.min_lr with `lr:`, train.global_batch_size with `batch: compute`, optim.warmup_steps with
+`schedule:`) may not also be overridden by the spec or the command line.
 
 Paths are relative to the spec file. Unknown keys are errors, like in run configs.
 """
@@ -19,12 +43,13 @@ Paths are relative to the spec file. Unknown keys are errors, like in run config
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import yaml
 
 from ..config import ConfigError
+from .design import BATCH_KEYS, BATCH_RULES, LR_KEYS, LR_RULES, BatchRule, Design, LrRule, Schedule, ShapeRule
 
 GPUS = ("a100", "v100", "cpu")
 
@@ -53,7 +78,7 @@ class SweepSpec:
     name: str
     experiment: str
     budgets: tuple[float, ...]
-    sizes: dict[str, tuple[str, ...]]
+    sizes: dict[str, tuple[str, ...]]    # fixed sizes (empty with `design:`)
     variants: tuple[Variant, ...]
     seeds: tuple[int, ...] = (0,)
     overrides: tuple[str, ...] = ()
@@ -63,14 +88,23 @@ class SweepSpec:
     mfu: float = 0.4
     # How far tokens x FLOPs/token may miss a budget (whole optimizer steps quantize tokens).
     budget_tolerance: float = 0.01
+    # Rule-based sizes (megaroute/sweep/design.py) instead of `sizes`; None with `sizes`.
+    design: Optional[Design] = None
+    # Per-point learning rate, batch and warm-up rules; None: the configs' values (`sizes:` specs only).
+    lr: Optional[LrRule] = None
+    batch: Optional[BatchRule] = None
+    schedule: Optional[Schedule] = None
+    lr_sweep: tuple[float, ...] = (1.0,)
+    min_tokens_per_param: Optional[float] = None
 
     @property
     def run_root(self) -> str:
         return self.runs_dir or os.path.join("runs", self.name)
 
 
-_KEYS = {"name", "experiment", "budgets", "sizes", "variants", "seeds", "overrides", "runs_dir", "gpu", "sbatch",
-         "mfu", "budget_tolerance"}
+_KEYS = {"name", "experiment", "budgets", "sizes", "design", "variants", "seeds", "overrides", "runs_dir", "gpu",
+         "sbatch", "mfu", "budget_tolerance", "lr", "batch", "schedule", "lr_sweep", "min_tokens_per_param"}
+MIN_DESIGN_SIZES = 5   # per budget: the parabola of `sweep analyze` needs points on both sides of the optimum
 
 
 def load_spec(path: str) -> SweepSpec:
@@ -100,8 +134,12 @@ def load_spec(path: str) -> SweepSpec:
     if not isinstance(budgets, list) or not budgets:
         raise SweepSpecError(path, "budgets", "must be a non-empty list of FLOP budgets")
     budgets = [_flops(path, f"budgets[{i}]", b) for i, b in enumerate(budgets)]
-    sizes = need("sizes")
-    if not isinstance(sizes, dict) or not sizes:
+    if ("sizes" in raw) == ("design" in raw):
+        raise SweepSpecError(path, "design", "give exactly one of `design:` (sizes from rules) and `sizes:` "
+                             "(fixed sizes)" + (", not both" if "sizes" in raw else ""))
+    design = _design(path, raw["design"]) if "design" in raw else None
+    sizes = raw.get("sizes") if design is None else {}
+    if design is None and (not isinstance(sizes, dict) or not sizes):
         raise SweepSpecError(path, "sizes", "must map size names to lists of overrides")
     for s, ov in sizes.items():
         _check_overrides(path, f"sizes.{s}", ov)
@@ -114,6 +152,12 @@ def load_spec(path: str) -> SweepSpec:
             raise SweepSpecError(path, f"variants.{v}", "must be {config: FILE, overrides: [...]}")
         variant = Variant(v, os.path.join(here, body["config"]),
                           tuple(_check_overrides(path, f"variants.{v}.overrides", body.get("overrides", []))))
+        if design is not None:
+            if "{size}" in variant.config:
+                raise SweepSpecError(path, f"variants.{v}.config", "with `design:` a variant names one base config "
+                                     "(the design sets the shape), not a {size} template")
+            if not os.path.isfile(variant.config):
+                raise SweepSpecError(path, f"variants.{v}.config", f"{variant.config} not found")
         for s in sizes:
             if not os.path.isfile(variant.config_path(s)):
                 raise SweepSpecError(path, f"variants.{v}.config", f"{variant.config_path(s)} not found (size {s})")
@@ -131,14 +175,141 @@ def load_spec(path: str) -> SweepSpec:
     if not isinstance(tol, (int, float)) or not 0 < tol < 1:
         raise SweepSpecError(path, "budget_tolerance", f"must be in (0, 1), got {tol!r}")
     runs_dir = raw.get("runs_dir")
+    lr = _lr(path, raw["lr"]) if "lr" in raw else (LrRule() if design else None)
+    batch = _batch(path, raw["batch"]) if "batch" in raw else (BatchRule() if design else None)
+    schedule = (_section(path, "schedule", raw["schedule"], Schedule) if "schedule" in raw
+                else (Schedule() if design else None))
+    if schedule is not None:
+        _check_schedule(path, schedule)
+    lr_sweep = raw.get("lr_sweep", [1.0])
+    if (not isinstance(lr_sweep, list) or not lr_sweep or not all(_number(m) and m > 0 for m in lr_sweep)
+            or len(set(lr_sweep)) != len(lr_sweep)):
+        raise SweepSpecError(path, "lr_sweep", f"must be a non-empty list of distinct positive learning-rate "
+                             f"multipliers, got {lr_sweep!r}")
+    min_tpp = raw.get("min_tokens_per_param", 2.0 if design else None)
+    if min_tpp is not None and not (_number(min_tpp) and min_tpp >= 0):
+        raise SweepSpecError(path, "min_tokens_per_param", f"must be a number >= 0, got {min_tpp!r}")
     return SweepSpec(
         path=os.path.abspath(path), name=name, experiment=str(raw.get("experiment", name)),
         budgets=tuple(budgets), sizes={str(s): tuple(ov or ()) for s, ov in sizes.items()},
         variants=tuple(variants), seeds=tuple(seeds),
         overrides=tuple(_check_overrides(path, "overrides", raw.get("overrides", []))),
         runs_dir=runs_dir, gpu=gpu, sbatch=tuple(_check_overrides(path, "sbatch", raw.get("sbatch", []), "--")),
-        mfu=float(mfu), budget_tolerance=float(tol),
+        mfu=float(mfu), budget_tolerance=float(tol), design=design, lr=lr, batch=batch, schedule=schedule,
+        lr_sweep=tuple(float(m) for m in lr_sweep), min_tokens_per_param=None if min_tpp is None else float(min_tpp),
     )
+
+
+# Examples of the type of keys whose default is None (unset).
+_NONE_DEFAULTS = {"ffn_ratio": (2.0, 4.0), "decay_fraction": 0.2, "data_parallel": 8}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _section(path: str, key: str, raw, cls, allowed: Optional[set[str]] = None, extra: Optional[dict] = None):
+    """A mapping of the dataclass `cls`'s fields, type-checked against their defaults' types."""
+    if not isinstance(raw, dict):
+        raise SweepSpecError(path, key, f"must be a mapping, got {raw!r}")
+    names = {f.name for f in fields(cls)} if allowed is None else allowed
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise SweepSpecError(path, f"{key}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(names))})")
+    values = dict(extra or {})
+    defaults = cls()
+    for name, value in raw.items():
+        default = getattr(defaults, name)
+        sub = f"{key}.{name}"
+        if name in (extra or {}):
+            continue
+        like = _NONE_DEFAULTS.get(name, default) if default is None else default
+        if value is None and default is None:
+            ok = True
+        elif isinstance(like, str):
+            ok = isinstance(value, str)
+        elif isinstance(like, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(like, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(like, float):
+            ok = _number(value)
+            value = float(value) if ok else value
+        elif isinstance(like, tuple):
+            ok = isinstance(value, list) and len(value) == len(like) and all(_number(x) for x in value)
+            value = tuple(float(x) for x in value) if ok else value
+        else:
+            ok = True
+        if not ok:
+            raise SweepSpecError(path, sub, f"must be like {list(like) if isinstance(like, tuple) else like!r}, "
+                                 f"got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _positive(path: str, key: str, value, what: str = "> 0") -> None:
+    if not value > 0:
+        raise SweepSpecError(path, key, f"must be {what}, got {value!r}")
+
+
+def _design(path: str, raw) -> Design:
+    if not isinstance(raw, dict):
+        raise SweepSpecError(path, "design", f"must be a mapping, got {raw!r}")
+    shape = _section(path, "design.shape", raw.get("shape", {}), ShapeRule)
+    design = _section(path, "design", raw, Design, extra={"shape": shape})
+    if design.sizes < MIN_DESIGN_SIZES:
+        raise SweepSpecError(path, "design.sizes", f"must be >= {MIN_DESIGN_SIZES} (sizes per budget, so the fit "
+                             f"brackets the optimum), got {design.sizes}")
+    _positive(path, "design.span", design.span - 1, "> 1 (largest / smallest size)")
+    _positive(path, "design.tokens_per_param", design.tokens_per_param)
+    for name in ("d_multiple", "head_dim", "min_layers", "aspect", "tolerance"):
+        _positive(path, f"design.shape.{name}", getattr(shape, name))
+    if shape.head_dim % 2 or shape.d_multiple % shape.head_dim:
+        raise SweepSpecError(path, "design.shape.head_dim", f"must be even (RoPE) and divide d_multiple="
+                             f"{shape.d_multiple}, got {shape.head_dim}")
+    lo, hi = shape.aspect_range
+    if not 0 < lo <= shape.aspect <= hi:
+        raise SweepSpecError(path, "design.shape.aspect_range", f"must be [lo, hi] with 0 < lo <= aspect="
+                             f"{shape.aspect:g} <= hi, got {[lo, hi]}")
+    if not shape.tolerance < 0.5:
+        raise SweepSpecError(path, "design.shape.tolerance", f"must be in (0, 0.5), got {shape.tolerance}")
+    if shape.ffn_ratio is not None and not 0 < shape.ffn_ratio[0] <= shape.ffn_ratio[1]:
+        raise SweepSpecError(path, "design.shape.ffn_ratio", f"must be [lo, hi] with 0 < lo <= hi, "
+                             f"got {list(shape.ffn_ratio)}")
+    return design
+
+
+def _lr(path: str, raw) -> LrRule:
+    rule = raw.get("rule", "width") if isinstance(raw, dict) else None
+    if rule not in LR_RULES:
+        raise SweepSpecError(path, "lr.rule", f"must be one of {', '.join(LR_RULES)}, got {rule!r}")
+    lr = _section(path, "lr", raw, LrRule, LR_KEYS[rule])
+    for name in ("base", "d_ref") if rule == "width" else ("coef",):
+        _positive(path, f"lr.{name}", getattr(lr, name))
+    if not 0 <= lr.min_lr_ratio <= 1:
+        raise SweepSpecError(path, "lr.min_lr_ratio", f"must be in [0, 1], got {lr.min_lr_ratio}")
+    return lr
+
+
+def _batch(path: str, raw) -> BatchRule:
+    rule = raw.get("rule", "compute") if isinstance(raw, dict) else None
+    if rule not in BATCH_RULES:
+        raise SweepSpecError(path, "batch.rule", f"must be one of {', '.join(BATCH_RULES)}, got {rule!r}")
+    batch = _section(path, "batch", raw, BatchRule, BATCH_KEYS[rule])
+    _positive(path, "batch.coef", batch.coef)
+    if batch.data_parallel is not None and not (isinstance(batch.data_parallel, int) and batch.data_parallel >= 1):
+        raise SweepSpecError(path, "batch.data_parallel", f"must be an integer >= 1, got {batch.data_parallel!r}")
+    return batch
+
+
+def _check_schedule(path: str, s: Schedule) -> None:
+    if not 0 <= s.warmup_fraction < 1:
+        raise SweepSpecError(path, "schedule.warmup_fraction", f"must be in [0, 1), got {s.warmup_fraction}")
+    if s.min_warmup_steps < 0:
+        raise SweepSpecError(path, "schedule.min_warmup_steps", f"must be >= 0, got {s.min_warmup_steps}")
+    if s.decay_fraction is not None and not (0 < s.decay_fraction <= 1 and s.warmup_fraction + s.decay_fraction < 1):
+        raise SweepSpecError(path, "schedule.decay_fraction", f"must be in (0, 1 - warmup_fraction="
+                             f"{1 - s.warmup_fraction:g}), got {s.decay_fraction}")
 
 
 def _flops(path: str, key: str, value) -> float:

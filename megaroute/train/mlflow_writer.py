@@ -8,10 +8,22 @@ dropped first and counted in `dropped_metrics`) and retries with exponential bac
 server will never accept (HTTP 4xx such as a param whose value changed on resume, or a resumed run
 id the store does not know) are not retried forever: the offending item is skipped with a warning
 and everything else still goes through. `close()` keeps its deadline whatever the server does.
+
+One MLflow run per training run: given `record_path` (<run_dir>/mlflow_run.json), the writer saves
+the run's tracking URI, experiment and run id there (atomically) as soon as the run is created or
+found, so every later launch of that run directory (resume, requeue, relaunch after kill -9)
+continues the same run. A run directory without a record (the store was unreachable all along, or
+the file was lost) but with history (`find_existing`) looks its run up by experiment, run name,
+`sweep_id` tag and `run_dir` tag. `backfill` (metrics.jsonl, resumed step, log interval, last step)
+re-sends the steps up to the resumed checkpoint that the store lacks (points a killed tracking
+process never sent), with their original timestamps.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import math
 import os
 import queue
 import threading
@@ -27,6 +39,13 @@ _CHILD_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
 MAX_BUFFERED_METRICS = 200_000
 MAX_RETRY_SECONDS = 60.0
 _BATCH = 1000  # MLflow's log_batch limit on metrics per request
+# Tags that tell a run directory's MLflow run from other runs of the same name (megaroute.sweep.plan
+# names the sweep ones; not imported: the tracking process must not import torch).
+TAG_RUN_DIR, TAG_SWEEP, TAG_ROLE, ROLE_PARENT = "run_dir", "sweep_id", "sweep_role", "parent"
+# How long a new writer waits for the writer of a killed job on the same run directory to finish
+# marking the run (that one exits within its own close timeout, 10 s), so it cannot mark the run
+# FAILED after this job set it RUNNING again.
+LOCK_WAIT_SECONDS = 15.0
 
 
 _UNREACHABLE = ("Connection refused", "Failed to establish a new connection", "Name or service not known",
@@ -43,7 +62,7 @@ def _is_unreachable(e: BaseException) -> bool:
     return False
 
 
-def _create_sqlite_store(uri: str) -> None:
+def create_sqlite_store(uri: str) -> None:
     """Creates a fresh SQLite store under a temporary name and links it into place when complete.
 
     MLflow creates and migrates a new SQLite file in place; a process killed meanwhile (a job
@@ -106,12 +125,19 @@ class MLflowWriter:
         run_id: Optional[str] = None,
         retry_seconds: float = 2.0,
         flush_seconds: float = 5.0,
+        record_path: Optional[str] = None,
+        find_existing: bool = False,
+        backfill: Optional[tuple] = None,
     ):
         for k, v in {**_MLFLOW_ENV, **_CHILD_ENV}.items():
             os.environ.setdefault(k, v)
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.artifact_root = artifact_root
         self.run_id = run_id
+        self.record_path = record_path
+        self.find_existing = find_existing
+        self._backfill = backfill  # (metrics.jsonl path, resumed step, log interval, last step) or None
+        self._lock_fd: Optional[int] = None
         self.retry_seconds = retry_seconds
         self.flush_seconds = flush_seconds
         self._params = {k: str(v) for k, v in params.items()}
@@ -132,6 +158,11 @@ class MLflowWriter:
         self.last_error: Optional[str] = None
         self._thread = threading.Thread(target=self._worker, name="mlflow-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """The run exists in the store (created, found or continued) and `run_id` names it."""
+        return self._run_ready
 
     def put(self, kind: str, payload) -> None:
         """Queues one item, never blocking and never waking the worker: ("metrics", (values, step,
@@ -157,6 +188,37 @@ class MLflowWriter:
         return bool(self._params or self._tags or self._metrics or self._artifacts or not self._run_ready)
 
     def _worker(self) -> None:
+        try:
+            self._work()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the run directory's lock
+                self._lock_fd = None
+
+    def _wait_for_previous_writer(self) -> None:
+        """Takes <record>.lock (best effort, at most LOCK_WAIT_SECONDS): a tracking process of a killed
+        job on the same run directory holds it until it has marked the run and exited."""
+        if not self.record_path or self._lock_fd is not None:
+            return
+        try:
+            fd = os.open(self.record_path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = fd
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+            except OSError:  # a filesystem without flock: go on without it
+                break
+        os.close(fd)
+
+    def _work(self) -> None:
         client = None
         closing: Optional[str] = None
         outage_at_close = terminated = False
@@ -196,7 +258,8 @@ class MLflowWriter:
                 if client is None:
                     from mlflow.tracking import MlflowClient
 
-                    _create_sqlite_store(self.uri)
+                    self._wait_for_previous_writer()
+                    create_sqlite_store(self.uri)
                     client = MlflowClient(tracking_uri=self.uri)
                 self._flush(client)
                 if closing is not None and not terminated:
@@ -278,10 +341,7 @@ class MLflowWriter:
                 self._warn(f"MLflow run {self.run_id} was deleted; starting a new run")
                 run = None
             if run is not None:
-                if run.info.status != "RUNNING":
-                    client.update_run(self.run_id, status="RUNNING")
-                self._existing_params = dict(run.data.params)
-                self._run_ready = True
+                self._continue(client, run)
                 return
             self.run_id = None
         exp = client.get_experiment_by_name(self.experiment)
@@ -298,8 +358,103 @@ class MLflowWriter:
                 exp_id = exp.experiment_id
         else:
             exp_id = exp.experiment_id
-        self.run_id = client.create_run(exp_id, run_name=self.run_name).info.run_id
+            run = self._find_run(client, exp_id) if self.find_existing else None
+            if run is not None:
+                self._warn(f"MLflow run {run.info.run_id} ({self.run_name!r}) found by name and tags; continuing it")
+                self._continue(client, run)
+                return
+        # The tags that identify the run go with its creation, so a job killed right after still
+        # leaves a run the next launch can find.
+        identity = {k: self._tags[k] for k in (TAG_RUN_DIR, TAG_SWEEP) if k in self._tags}
+        self.run_id = client.create_run(exp_id, run_name=self.run_name, tags=identity).info.run_id
         self._run_ready = True
+        self._save_record(exp_id)
+
+    def _continue(self, client, run) -> None:
+        """Continues an existing run: back to RUNNING, its params kept, its id recorded."""
+        self.run_id = run.info.run_id
+        if run.info.status != "RUNNING":
+            client.update_run(self.run_id, status="RUNNING")
+        self._existing_params = dict(run.data.params)
+        self._run_ready = True
+        self._save_record(run.info.experiment_id)
+
+    def _find_run(self, client, exp_id):
+        """The newest active run of experiment `exp_id` named `run_name` with this run's `sweep_id` (or
+        none, like this one) and this run directory (or no run_dir tag: runs of older versions); None
+        if there is none. Sweep parent runs never match."""
+        quote = "'" if "'" not in self.run_name else '"'
+        if quote in self.run_name:
+            return None
+        runs = client.search_runs([exp_id], f"attributes.run_name = {quote}{self.run_name}{quote}", max_results=200,
+                                  order_by=["attributes.start_time DESC"])
+        for run in runs:
+            tags = run.data.tags
+            if tags.get(TAG_ROLE) == ROLE_PARENT or tags.get(TAG_SWEEP) != self._tags.get(TAG_SWEEP):
+                continue
+            if tags.get(TAG_RUN_DIR, self._tags.get(TAG_RUN_DIR)) != self._tags.get(TAG_RUN_DIR):
+                continue
+            return run
+        return None
+
+    def _save_record(self, experiment_id) -> None:
+        """Writes <run_dir>/mlflow_run.json atomically (never raises: training does not depend on it)."""
+        if not self.record_path:
+            return
+        record = {"tracking_uri": self.uri, "experiment": self.experiment, "experiment_id": str(experiment_id),
+                  "run_id": self.run_id, "run_name": self.run_name}
+        tmp = f"{self.record_path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.record_path)
+        except OSError as e:
+            self._warn(f"could not write {self.record_path} ({e}); a restart of this run may start a new MLflow run")
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+
+    def _backfill_points(self, client) -> None:
+        """Queues (ahead of the rest) the points of steps <= the resumed step that metrics.jsonl has and
+        the run lacks: what a killed tracking process never sent, or a whole outage's worth."""
+        path, until, interval, last = self._backfill
+        records: dict[tuple[str, int], dict] = {}
+        try:
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                        kind, step = rec["kind"], int(rec["step"])
+                    except (ValueError, KeyError, TypeError):
+                        continue  # e.g. a line cut by a kill
+                    if step <= until and kind in ("train", "eval"):
+                        records[kind, step] = rec  # a step logged twice (replayed) keeps the last
+        except OSError:
+            records = {}
+        anchors = {"train": "train/loss", "eval": "eval/loss"}
+        present = {kind: {m.step for m in client.get_metric_history(self.run_id, key)}
+                   for kind, key in anchors.items() if any(k == kind for k, _ in records)}
+        points = []
+        for (kind, step), rec in sorted(records.items(), key=lambda kv: kv[0][1]):
+            if anchors[kind] not in rec or step in present[kind]:
+                continue
+            if kind == "train" and step % interval and step != last:
+                continue  # MLflowLogger logs train metrics every `interval` steps and at the last
+            ts = int(float(rec.get("time", time.time())) * 1000)
+            for k, v in rec.items():
+                if k not in ("kind", "step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
+                    points.append((str(k), float(v), ts, step))
+        self._backfill = None
+        if points:
+            self._metrics[:0] = points
+            overflow = len(self._metrics) - MAX_BUFFERED_METRICS
+            if overflow > 0:
+                del self._metrics[:overflow]
+                self.dropped_metrics += overflow
 
     def _flush(self, client) -> None:
         """Sends params, tags and metrics, as few requests as MLflow's limits allow (one for a
@@ -307,6 +462,8 @@ class MLflowWriter:
         from mlflow.entities import Metric, Param, RunTag
 
         self._ensure_run(client)
+        if self._backfill is not None:
+            self._backfill_points(client)
         if self._params:
             changed = {k: (self._existing_params[k], v) for k, v in self._params.items()
                        if k in self._existing_params and self._existing_params[k] != v[:6000]}

@@ -44,6 +44,12 @@ from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
                    "nonfinite": EXIT_NONFINITE}
+# <run_dir>/mlflow_run.json: the run directory's MLflow run (tracking URI, experiment, run id), written by
+# rank 0's tracking process as soon as the run exists; every later launch of the directory continues it.
+RUN_RECORD = "mlflow_run.json"
+# How long rank 0 waits before step 1 for the MLflow run to be created or found (a store that cannot be
+# reached ends the wait at its first failed attempt: training proceeds, the run follows when it can).
+RUN_START_TIMEOUT = 120.0
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -142,7 +148,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
     stop = StopSignal().install()
     watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
-    tracker = _make_tracker(cfg, env, run_id, tokenizer) if env.is_main else None
+    tracker = _make_tracker(cfg, env, run_id, tokenizer, state.step, total_steps) if env.is_main else None
     client_state = _client_state(cfg, state, loader, summary, tokenizer.hash, tracker)
     spec = method_spec(cfg.routing.method)
     evaluate = Evaluator(engine, val_set, eval_modes(cfg.routing.method), honest_mode=spec.honest_mode,
@@ -159,6 +165,8 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         grad_probe=lambda: ds.grad_norms(_param_groups_by_role(model), engine.device, layout.tp_group),
         probe_interval=cfg.train.log_interval,
     )
+    if tracker is not None:
+        _await_run(cfg, tracker)
     final = _fit(trainer, tracker, stop, watchdog)
     if final.stop_reason == "nonfinite" and env.is_main:
         print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
@@ -211,7 +219,7 @@ def _model(cfg: Config, env: DistEnv, layout: ParallelLayout, init_path: Optiona
 def _resume(cfg: Config, env: DistEnv, engine, manager: CheckpointManager, loader: SequenceLoader,
             tokenizer_hash: str) -> tuple[TrainState, LossSummary, Optional[str]]:
     """checkpoint.resume: restores engine, loader and loss summary from a checkpoint when there is
-    one -> (train state, loss summary, the MLflow run id to continue)."""
+    one -> (train state, loss summary, the MLflow run id saved in the checkpoint: see `_tracked_run`)."""
     state, summary = TrainState(), LossSummary(cfg.train.loss_thresholds)
     if cfg.checkpoint.resume == "none":
         return state, summary, None
@@ -333,7 +341,53 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
         print(f"warning: resuming {tag} with a changed config (hash {client['config_hash']} -> {chash})", flush=True)
 
 
-def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
+def _read_run_record(path: str) -> dict:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _tracked_run(cfg: Config, uri: str, resumed_step: int, checkpoint_run_id: Optional[str]) -> tuple[Optional[str], bool]:
+    """The MLflow run this launch continues -> (run id or None, whether to look it up by name and tags).
+
+    `checkpoint.resume=none` is a fresh training run: a new MLflow run, whose id replaces the record.
+    Otherwise the run directory's record (when made for the same tracking URI and experiment), else the
+    id saved in the resumed checkpoint (run directories from before the record), else, if the directory
+    has history (a checkpoint resumed, or metrics logged by an earlier launch), the tracking process
+    looks for the run by name and tags (the record was never written: a store unreachable all along)."""
+    if cfg.checkpoint.resume == "none":
+        return None, False
+    path = os.path.join(cfg.run_dir, RUN_RECORD)
+    record = _read_run_record(path)
+    if record.get("run_id"):
+        if record.get("tracking_uri") == uri and record.get("experiment") == cfg.tracking.experiment:
+            return str(record["run_id"]), False
+        print(f"note: {path} names MLflow run {record['run_id']} of experiment {record.get('experiment')!r} at "
+              f"{record.get('tracking_uri')}; this launch logs to experiment {cfg.tracking.experiment!r} at {uri}, "
+              "in a new run", flush=True)
+        return None, False
+    if checkpoint_run_id:
+        return checkpoint_run_id, False
+    return None, resumed_step > 0 or os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
+
+
+def _await_run(cfg: Config, tracker: MLflowTracker) -> None:
+    """Before step 1: the MLflow run exists and its id is in <run_dir>/mlflow_run.json, or a warning says
+    why not (training proceeds either way)."""
+    if tracker.wait_for_run(RUN_START_TIMEOUT):
+        print(f"MLflow run {tracker.run_id} at {tracker.uri} (experiment {cfg.tracking.experiment!r})", flush=True)
+    else:
+        why = tracker.last_error or f"no answer within {RUN_START_TIMEOUT:g}s"
+        print(f"warning: MLflow run not opened before training ({why}); training proceeds, and "
+              f"{os.path.join(cfg.run_dir, RUN_RECORD)} is written when it is", file=sys.stderr, flush=True)
+
+
+def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, resumed_step: int = 0,
+                  total_steps: Optional[int] = None):
+    """Rank 0's tracker. `run_id`: the one saved in the resumed checkpoint (see `_tracked_run`)."""
     if not cfg.tracking.enabled:
         return None
 
@@ -342,7 +396,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
             **({"slurm_job_id": os.environ["SLURM_JOB_ID"]} if "SLURM_JOB_ID" in os.environ else {}),
             **({"slurm_array_job_id": os.environ["SLURM_ARRAY_JOB_ID"]} if "SLURM_ARRAY_JOB_ID" in os.environ else {}),
             **({"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}),
-            "mlflow.note.content": _description(cfg),
+            "mlflow.note.content": _description(cfg), "run_dir": os.path.abspath(cfg.run_dir),
             **cfg.tracking.tags}
 
     flops = config_flops(cfg)
@@ -354,9 +408,16 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer):
         # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
         params["flops.train_executed_vs_full"] = round(
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
-    tracker = MLflowTracker(cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment, cfg.name,
+    uri = cfg.tracking.uri or default_uri(cfg.runs_dir)
+    run_id, find_existing = _tracked_run(cfg, uri, resumed_step, run_id)
+    metrics_file = os.path.join(cfg.run_dir, "metrics.jsonl")
+    backfill = None  # points up to the resumed step that the store may lack (a tracker killed before sending)
+    if resumed_step > 0 and cfg.checkpoint.resume != "none" and os.path.exists(metrics_file):
+        backfill = (os.path.abspath(metrics_file), resumed_step, cfg.train.log_interval, total_steps or 0)
+    tracker = MLflowTracker(uri, cfg.tracking.experiment, cfg.name,
                             params=params, tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
-                            run_id=run_id)
+                            run_id=run_id, record_path=os.path.abspath(os.path.join(cfg.run_dir, RUN_RECORD)),
+                            find_existing=find_existing, backfill=backfill)
     tracker.log_artifact(os.path.join(cfg.run_dir, "config.yaml"))
     tracker.log_artifact(os.path.join(cfg.run_dir, "ds_config.json"))
     tracker.log_artifact(tokenizer.path, "tokenizer")

@@ -92,8 +92,8 @@ def _child_main(status_fd: int) -> None:
         nonlocal sent
         if writer is None:
             return
-        status = {"run_id": writer.run_id, "failures": writer.failures, "last_error": writer.last_error,
-                  "dropped": writer.dropped_metrics, "close_ok": writer.close_ok}
+        status = {"run_id": writer.run_id, "ready": writer.ready, "failures": writer.failures,
+                  "last_error": writer.last_error, "dropped": writer.dropped_metrics, "close_ok": writer.close_ok}
         if status == sent and not final:
             return
         try:
@@ -115,7 +115,9 @@ def _child_main(status_fd: int) -> None:
         os._exit(0)  # not interpreter shutdown: no atexit hooks, no waiting on a stuck request
 
     while True:
-        frames = reader.read(timeout=1.0)
+        # Until the run exists (or the store failed), report promptly: rank 0 waits for it before step 1.
+        starting = writer is not None and not writer.ready and not writer.failures
+        frames = reader.read(timeout=0.05 if starting else 1.0)
         if frames is None:  # the training process is gone without close(): it crashed or was killed
             finish("FAILED", 2.0 if signaled else 10.0)
         for items in frames:
@@ -152,13 +154,20 @@ class MLflowTracker:
         retry_seconds: float = 2.0,
         flush_seconds: float = 5.0,
         feed_seconds: float = 0.5,
+        record_path: Optional[str] = None,
+        find_existing: bool = False,
+        backfill: Optional[tuple] = None,
     ):
+        """`record_path`, `find_existing` and `backfill`: see `MLflowWriter` (the run directory's record
+        of its MLflow run, the look-up by name and tags, the re-sent points of a resumed run)."""
         self.uri = uri
         self.feed_seconds = feed_seconds
         config = dict(uri=uri, experiment=experiment, run_name=run_name, params={k: str(v) for k, v in params.items()},
                       tags={k: str(v) for k, v in tags.items()}, artifact_root=artifact_root, run_id=run_id,
-                      retry_seconds=retry_seconds, flush_seconds=flush_seconds)
-        self._status = {"run_id": run_id, "failures": 0, "last_error": None, "dropped": 0, "close_ok": False}
+                      retry_seconds=retry_seconds, flush_seconds=flush_seconds, record_path=record_path,
+                      find_existing=bool(find_existing), backfill=None if backfill is None else tuple(backfill))
+        self._status = {"run_id": run_id, "ready": False, "failures": 0, "last_error": None, "dropped": 0,
+                        "close_ok": False}
         self._items: list = [("init", config)]
         self._out = b""  # serialized frames not yet written to the pipe
         self._next_send = 0.0
@@ -208,6 +217,35 @@ class MLflowTracker:
     @property
     def run_id(self) -> Optional[str]:
         return self._get("run_id")
+
+    @property
+    def ready(self) -> bool:
+        """The run exists in the store (created, found or continued) and `run_id` names it."""
+        return self._get("ready")
+
+    def wait_for_run(self, timeout: float) -> bool:
+        """Waits at most `timeout` seconds for the tracking process to create (or find) the run. Returns
+        True once it has, False at once if the store could not be reached (the process keeps retrying
+        in the background) or the process is gone, and False at the timeout. Never raises."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._result is None and self._accepting and self.proc is not None:
+            self._send()  # pending log calls (the artifacts) go now; also reads the status
+            if self._status["ready"]:
+                return True
+            if self._status["failures"] or self.proc.poll() is not None:
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                frames = self._status_reader.read(timeout=min(0.1, remaining))
+            except (OSError, ValueError, pickle.UnpicklingError):
+                return False
+            if frames is None:  # the tracking process is gone
+                return False
+            for frame in frames:
+                self._status.update(frame)
+        return bool(self._status["ready"])
 
     @property
     def failures(self) -> int:

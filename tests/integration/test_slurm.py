@@ -182,25 +182,30 @@ def test_sweep_plan_budgets_within_one_percent():
 
 
 def test_isoflop_sweep_array(cluster, mlflow_server, job_env, char_data, tmp_path):
+    from megaroute.sweep.plan import plan
+    from megaroute.sweep.spec import load_spec
+
     spec = "configs/sweeps/tiny.yaml"
     overrides = [f"runs_dir={tmp_path}/runs", f"data.output_dir={char_data}", f"tracking.uri={mlflow_server.uri}"]
+    points = plan(load_spec(str(REPO / spec)), tuple(overrides))  # 2 budgets x 5 sizes x dense/MoD, one seed
+    n = len(points)
     t0 = time.time()
     submitter = cluster.sbatch([f"--output={tmp_path}/submit-%j.out", "slurm/isoflop_sweep.sh", spec, *overrides],
                                cwd=REPO, env=job_env)
     cluster.wait_done([submitter], timeout=120)
     out = (tmp_path / f"submit-{submitter}.out").read_text()
-    m = re.search(r"8 points as array job (\d+), analysis job (\d+), MLflow parent run (\w+)", out)
+    m = re.search(rf"{n} points as array job (\d+), analysis job (\d+), MLflow parent run (\w+)", out)
     assert m, out + cluster.logs()
     array_id, analysis_id, parent = m.groups()
     try:
-        cluster.wait_done([int(array_id), int(analysis_id)], timeout=600)
+        cluster.wait_done([int(array_id), int(analysis_id)], timeout=1200)  # ~13M tokens on 2 one-CPU nodes
     finally:  # the array's batch logs land in the submit directory (the checkout), like a user's would
         for f in REPO.glob(f"slurm-tiny-isoflop-{array_id}_*.out"):
             f.unlink()
     wall = time.time() - t0
 
     tasks = cluster.jobs(array_id)
-    assert sorted(int(t["ArrayTaskId"]) for t in tasks) == list(range(8))
+    assert sorted(int(t["ArrayTaskId"]) for t in tasks) == list(range(n))
     assert all(t["JobState"] == "COMPLETED" and t["ExitCode"] == "0:0" for t in tasks), (tasks, cluster.logs())
     analysis = cluster.job(analysis_id)
     analysis_dir = tmp_path / "runs/analysis"
@@ -209,24 +214,33 @@ def test_isoflop_sweep_array(cluster, mlflow_server, job_env, char_data, tmp_pat
     client = _client(mlflow_server)
     exp = client.get_experiment_by_name("tiny-isoflop")
     runs = client.search_runs([exp.experiment_id], "tags.sweep_id = 'tiny-isoflop'")
-    children = [r for r in runs if r.info.run_id != parent]
-    assert len(children) == 8 and all(r.info.status == "FINISHED" for r in children)
+    children = [r for r in runs if r.info.run_id != parent and r.data.tags.get("sweep_role") != "analysis"]
+    assert len(children) == n and all(r.info.status == "FINISHED" for r in children)
+    by_name = {p.run_name: p for p in points}
     for r in children:
-        t = r.data.tags
+        t, p = r.data.tags, by_name[r.info.run_name]
         assert t["mlflow.parentRunId"] == parent and t["slurm_array_job_id"] == array_id
-        assert {t["variant"], t["size"], t["seed"]} <= {"dense", "mod", "d32", "d64", "0"}
-        assert t["budget"] in ("2e+10", "4e+10") and "eval/loss" in r.data.metrics
-    assert len({(r.data.tags["variant"], r.data.tags["size"], r.data.tags["budget"]) for r in children}) == 8
+        assert (t["variant"], t["size"], t["seed"], t["lr_mult"]) == (p.variant, p.size, "0", "1")
+        assert t["budget"] == f"{p.budget:.6g}" and "eval/loss" in r.data.metrics
+        assert r.data.params["optim.warmup_steps"] == str(p.warmup_steps)  # the design's per-run warm-up
+    assert len({(r.data.tags["variant"], r.data.tags["size"], r.data.tags["budget"]) for r in children}) == n
 
-    table = (analysis_dir / "isoflop_table.md").read_text()
+    # The analysis job wrote its own folder and child run, then ended the parent.
+    (out,) = analysis_dir.glob("eval-*")
+    table = (out / "isoflop_table.md").read_text()
+    budgets = "|".join(re.escape(f"{b:.3g}") for b in {p.budget for p in points})
     for variant in ("dense", "mod"):
-        assert len(re.findall(rf"^\| {variant} \| [24]e\+10 \|", table, re.M)) == 2, table
+        assert len(re.findall(rf"^\| {variant} \| ({budgets}) \|", table, re.M)) == 2, table
     assert "Compute-optimal frontier" in table
-    assert (analysis_dir / "isoflop_table.csv").read_text().count("\n") == 5
+    assert (out / "isoflop_table.csv").read_text().count("\n") == 5
     for png in ("isoflop_curves.png", "isoflop_frontier.png"):
-        assert (analysis_dir / png).read_bytes()[:4] == b"\x89PNG"
-    logged = {a.path for a in client.list_artifacts(parent, "analysis")}
-    assert {"analysis/isoflop_table.md", "analysis/isoflop_curves.png", "analysis/isoflop_frontier.png"} <= logged
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    (analysis_run,) = [r for r in runs if r.data.tags.get("sweep_role") == "analysis"]
+    assert analysis_run.data.tags["mlflow.parentRunId"] == parent and analysis_run.info.status == "FINISHED"
+    logged = {a.path for a in client.list_artifacts(analysis_run.info.run_id)}
+    assert {"isoflop_table.md", "isoflop_curves.png", "isoflop_frontier.png"} <= logged
+    parent_run = client.get_run(parent)
+    assert parent_run.info.status == "FINISHED" and parent_run.data.tags["points_failed"] == "0"
 
     _report_benchmark(tasks, tmp_path / "runs", wall, tmp_path)
 

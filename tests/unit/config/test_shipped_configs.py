@@ -28,10 +28,13 @@ def test_every_config_loads_and_validates(path):
 
 @pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_sweep_spec_loads(path):
+    from megaroute.sweep.plan import plan
+
     spec = load_spec(str(path))
     for variant in spec.variants:
-        for size, overrides in spec.sizes.items():
+        for size, overrides in spec.sizes.items():  # fixed sizes; a design's come from the plan
             load_config(variant.config_path(size), [*spec.overrides, *overrides, *variant.overrides])
+    assert plan(spec)  # loads and validates every point's config
 
 
 def test_run_configs_are_found():

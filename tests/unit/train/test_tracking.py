@@ -38,7 +38,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root}/mlflow.db"
-    mlflow_writer._create_sqlite_store(uri)  # what the tracker does for a new store: created aside, then linked
+    mlflow_writer.create_sqlite_store(uri)  # what the tracker does for a new store: created aside, then linked
     assert [e.name for e in MlflowClient(tracking_uri=uri).search_experiments()] == ["Default"]
     return uri, root
 
@@ -147,7 +147,7 @@ def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path, m
 
     monkeypatch.setattr(db_utils, "_initialize_tables", interrupted)
     path = tmp_path / "runs" / "mlflow.db"
-    mlflow_writer._create_sqlite_store(f"sqlite:///{path}")
+    mlflow_writer.create_sqlite_store(f"sqlite:///{path}")
     assert not path.exists() and list((tmp_path / "runs").iterdir()) == []
 
 
