@@ -54,7 +54,9 @@ def is_hf_dir(path: str) -> bool:
     if not os.path.isfile(config):
         return False
     with open(config) as f:
-        return json.load(f).get("model_type") == "megaroute"
+        c = json.load(f)
+    # megaroute's remote-code export, or a dense model exported as native Llama (megaroute.hf.llama).
+    return c.get("model_type") == "megaroute" or (c.get("model_type") == "llama" and "megaroute_source" in c)
 
 
 def load_hf_model(path: str, device: str = "cpu"):
@@ -65,6 +67,16 @@ def load_hf_model(path: str, device: str = "cpu"):
 
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
 
+    if hf.config.model_type == "llama":  # a dense export: rebuild megaroute's Transformer from its weights
+        from ..config import RoutingConfig
+        from ..hf.llama import megaroute_state_dict, model_config_from_llama
+
+        model_cfg, routing_cfg = model_config_from_llama(hf.config), RoutingConfig(method="none")
+        model = build_model(model_cfg, routing_cfg)
+        model.load_state_dict(megaroute_state_dict(hf.state_dict(), model_cfg.tie_embeddings))
+        cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
+        cfg.data.seq_len = model_cfg.max_seq_len
+        return model.to(device).eval(), cfg
     model_cfg, routing_cfg = megaroute_sections(hf.config)
     cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
     cfg.data.seq_len = model_cfg.max_seq_len

@@ -77,7 +77,9 @@ def convert_timed(run: str, out: str, tokenizer: str) -> tuple[float, int]:
               "rc = main(sys.argv[1:]); print('PEAK', peak_rss_bytes()); sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", script, run, out, "--tokenizer", tokenizer, "--no-progress"],
+    # --format megaroute: dense runs through megaroute's own forward too, so MoD vs dense compares like with like.
+    res = subprocess.run([sys.executable, "-c", script, run, out, "--tokenizer", tokenizer, "--no-progress",
+                          "--format", "megaroute"],
                          capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if res.returncode:

@@ -5,8 +5,14 @@
     out/model.safetensors           or model-0000i-of-0000n.safetensors + model.safetensors.index.json
     out/generation_config.json      out/tokenizer*.json / tokenizer.model
 
-Order of work: every check that can fail cheaply (output exists, tag, shards, config, tokenizer)
-runs before any weight is read. Weights stream one tensor at a time (TP shards merged, ZeRO-3
+Dense models (routing.method none) are written by default as a native `LlamaForCausalLM` instead
+(config.json model_type llama, Llama tensor names, no Python files: plain transformers loads it
+without trust_remote_code or megaroute; see llama.py). `--format megaroute` forces the remote-code
+export for them too; `--format llama` refuses routed models.
+
+Order of work: every check (output exists, tag, shards, config, tokenizer; the files' sha256 against
+the manifest and the checkpoint's config_hash, unless --skip-verify: IntegrityError, exit code 2)
+runs before any weight is read and before anything is written. Weights stream one tensor at a time (TP shards merged, ZeRO-3
 partitions reassembled) into output shards of at most `max_shard_bytes`, so peak memory is about
 the memory-mapped input plus one output shard. Everything is written into a temporary directory
 next to the output and renamed into place at the end: an interrupted conversion leaves no
@@ -31,11 +37,14 @@ from ..data import DataError
 from ..data.tokenizers import load_tokenizer
 from .adapter import StateDictAdapter
 from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
-from .reader import CheckpointSource, ConversionError, client_state, locate, merged_tensors
-from .tokenizer import copy_tokenizer_source, export_tokenizer
+from .llama import llama_config, llama_tensors
+from .reader import (CheckpointSource, ConversionError, IntegrityError, check_config_hash, client_state, locate,
+                     merged_tensors, verify_checksums)
+from .tokenizer import copy_tokenizer_source, export_tokenizer, special_ids
 
 HF_FILES = ("configuration_megaroute.py", "modeling_megaroute.py")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = ("auto", "llama", "megaroute")  # auto: llama for routing.method none, megaroute otherwise
 # One output shard is held in memory next to the memory-mapped input: peak ~ process baseline
 # (~0.5 GB with transformers imported) + model + min(model, shard), within 1.5x model + 1 GB at any size.
 DEFAULT_SHARD_BYTES = 1 << 29
@@ -64,7 +73,7 @@ def _tokenizer(src: CheckpointSource, path: Optional[str]):
 
 
 def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, dtype: Optional[torch.dtype],
-                   max_bytes: int, progress: bool) -> dict:
+                   max_bytes: int, progress: bool, llama: bool = False) -> dict:
     from safetensors.torch import save_file
 
     tensors_in_order = merged_tensors(src, adapter)  # adapter.keys() order, which the plan keeps
@@ -80,9 +89,11 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
             assert merged_key == key
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
-            # A fresh, contiguous tensor: safetensors refuses shared storage (tied embedding/LM head).
-            tensors[adapter.to_hf_name(key)] = full.contiguous().clone()
-            total += full.numel() * full.element_size()
+            pieces = llama_tensors(key, full, adapter.tied) if llama else [(adapter.to_hf_name(key), full)]
+            for hf_name, t in pieces:
+                # A fresh, contiguous tensor: safetensors refuses shared storage (tied embedding/LM head).
+                tensors[hf_name] = t.contiguous().clone()
+                total += t.numel() * t.element_size()
             bar.update()
         save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
         os.chmod(os.path.join(out, name), 0o644)  # safetensors creates files owner-only
@@ -101,10 +112,10 @@ def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str,
 
     for f in HF_FILES:
         shutil.copyfile(os.path.join(os.path.dirname(__file__), f), os.path.join(out, f))
-    eos = tokenizer.eos_id
+    eos, pad = special_ids(tokenizer, src.config.model.vocab_size)
     config = MegarouteConfig(
         megaroute_model=dataclasses.asdict(src.config.model), megaroute_routing=dataclasses.asdict(src.config.routing),
-        routing_mode=routing_mode, architectures=["MegarouteForCausalLM"], eos_token_id=eos, pad_token_id=eos,
+        routing_mode=routing_mode, architectures=["MegarouteForCausalLM"], eos_token_id=eos, pad_token_id=pad,
         auto_map={"AutoConfig": "configuration_megaroute.MegarouteConfig",
                   "AutoModelForCausalLM": "modeling_megaroute.MegarouteForCausalLM"},
         dtype=str(dtype).removeprefix("torch."),
@@ -112,13 +123,28 @@ def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str,
     config.megaroute_source = {"checkpoint": os.path.abspath(src.tag_dir), "run": src.config.name,
                                "tokenizer_sha256": tokenizer.hash}
     config.save_pretrained(out)
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+
+
+def _write_llama_config(src: CheckpointSource, out: str, tokenizer, dtype: torch.dtype) -> None:
+    from transformers import GenerationConfig
+
+    eos, pad = special_ids(tokenizer, src.config.model.vocab_size)
+    config = llama_config(src.config.model, dtype, bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    config.megaroute_source = {"checkpoint": os.path.abspath(src.tag_dir), "run": src.config.name,
+                               "tokenizer_sha256": tokenizer.hash}
+    config.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
 
 
 def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False, routing_mode: str = "causal",
             dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
-            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True) -> str:
-    """Converts one checkpoint; returns the output directory."""
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True, format: str = "auto",
+            skip_verify: bool = False) -> str:
+    """Converts one checkpoint; returns the output directory. format: "auto" (dense -> "llama", routed ->
+    "megaroute"), "llama" (native LlamaForCausalLM, dense only) or "megaroute" (remote code).
+    Integrity (IntegrityError, before anything is written): every file's sha256 against the manifest and
+    the checkpoint's config_hash against the config; skip_verify skips both (with a warning on stderr)."""
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         raise ConversionError(f"{out} already exists; pass --force to replace it")
@@ -126,11 +152,26 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
         raise ConversionError(f"--routing-mode must be one of {ROUTING_MODES}, got {routing_mode!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if format not in FORMATS:
+        raise ConversionError(f"--format must be one of {FORMATS}, got {format!r}")
     src = locate(path, tag, config)
+    dense = src.config.routing.method == "none"
+    if format == "llama" and not dense:
+        raise ConversionError(f"--format llama needs a dense model (routing.method none); {src.tag_dir} uses "
+                              f"routing.method {src.config.routing.method!r}: use --format megaroute")
+    llama = format == "llama" or (format == "auto" and dense)
+    if skip_verify:
+        print(f"WARNING: --skip-verify: the sha256 of {src.tag_dir}'s files and its config_hash are NOT checked; "
+              "a damaged or foreign checkpoint converts into a plausible but wrong model", file=sys.stderr, flush=True)
+    else:
+        verify_checksums(src)  # before any file is unpickled
     tok = _tokenizer(src, tokenizer)
-    saved_hash = client_state(src).get("tokenizer_hash")
+    client = client_state(src)
+    saved_hash = client.get("tokenizer_hash")
     if saved_hash not in (None, tok.hash):
         raise ConversionError(f"{src.tag_dir} was trained with tokenizer {saved_hash}, but {tok.path} is {tok.hash}")
+    if not skip_verify:
+        check_config_hash(src, client)
     adapter = StateDictAdapter(src.config.model, src.config.routing)
 
     parent = os.path.dirname(out)
@@ -139,13 +180,16 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        export_tokenizer(tok, tmp)
+        export_tokenizer(tok, tmp, src.config.model.vocab_size)
         copy_tokenizer_source(tok, tmp)
         out_dtype = DTYPES[dtype] if dtype else None
-        _write_weights(src, adapter, tmp, out_dtype, max_shard_bytes, progress)
+        _write_weights(src, adapter, tmp, out_dtype, max_shard_bytes, progress, llama=llama)
         first_float = next(t for t in adapter.dtypes.values() if t.is_floating_point)
         written = out_dtype or (torch.float32 if src.zero3 else first_float)
-        _write_config(src, tmp, tok, routing_mode, written)
+        if llama:
+            _write_llama_config(src, tmp, tok, written)
+        else:
+            _write_config(src, tmp, tok, routing_mode, written)
         if os.path.exists(out):  # --force: swap, then delete the old copy
             old = os.path.join(parent, f".{os.path.basename(out)}.old-{os.getpid()}")
             os.rename(out, old)
@@ -174,12 +218,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--routing-mode", default="causal", choices=["causal", "hard", "topk"],
                    help="routing of routed layers in the HF model (default causal: no future information)")
+    p.add_argument("--format", default="auto", choices=FORMATS,
+                   help="auto (default): dense models (routing.method none) as a native LlamaForCausalLM (no "
+                        "remote code), routed ones as megaroute remote code; llama or megaroute force one")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored; fp32 for ZeRO-3)")
     p.add_argument("--tokenizer", help="prepared data dir or tokenizer file (default: the run's data.output_dir)")
     p.add_argument("--config", help="the run's config.yaml (default: found above the checkpoint)")
     p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GiB",
                    help="split model.safetensors above this size (default 0.5)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--skip-verify", action="store_true",
+                   help="do not check the files' sha256 against the checkpoint's manifest, nor its config_hash "
+                        "against the config (a warning says so)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = convert(args.checkpoint, args.output, args.tag, force=args.force, routing_mode=args.routing_mode,
                       dtype=args.dtype, tokenizer=args.tokenizer, config=args.config,
-                      max_shard_bytes=int(args.max_shard_size * 2**30), progress=not args.no_progress)
+                      max_shard_bytes=int(args.max_shard_size * 2**30), progress=not args.no_progress,
+                      format=args.format, skip_verify=args.skip_verify)
+    except IntegrityError as e:  # a damaged or foreign checkpoint: exit 2, distinct from usage errors (1)
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
     except ConversionError as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 1

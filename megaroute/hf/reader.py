@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ConfigError, load_config
-from ..train.checkpoint import MANIFEST, MODEL_STATES, CheckpointError, resolve_checkpoint
+from ..config import Config, ConfigError, config_hash, load_config
+from ..train.checkpoint import MANIFEST, MODEL_STATES, CheckpointError, resolve_checkpoint, verify
 from .adapter import StateDictAdapter
 
 # A bf16 engine prefixes its optimizer partitions: bf16_zero_pp_rank_D_mp_rank_XX_optim_states.pt.
@@ -41,6 +41,11 @@ class ConversionError(RuntimeError):
     """A checkpoint that cannot be converted; the message names the file, tag or key."""
 
 
+class IntegrityError(ConversionError):
+    """The checkpoint's files do not match its manifest, or it was not saved under the config that
+    rebuilds it (the converter's exit code 2)."""
+
+
 @dataclass
 class CheckpointSource:
     tag_dir: str
@@ -48,6 +53,7 @@ class CheckpointSource:
     tp: int
     zero3: bool
     files: list[str] = field(default_factory=list)  # the DeepSpeed files that hold weights
+    config_path: Optional[str] = None  # the config.yaml `config` was loaded from
 
     @property
     def tag(self) -> str:
@@ -55,19 +61,19 @@ class CheckpointSource:
 
 
 def _check_manifest(tag_dir: str) -> None:
-    """Cheap integrity check against the commit manifest (presence and sizes; hashes are left to resume)."""
+    """Cheap integrity check against the commit manifest (presence and sizes; sha256: verify_checksums)."""
     path = os.path.join(tag_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise ConversionError(f"{tag_dir}: no {MANIFEST}: the checkpoint was never committed (still being written, "
+        raise IntegrityError(f"{tag_dir}: no {MANIFEST}: the checkpoint was never committed (still being written, "
                               "or its job died while saving)")
     with open(path) as f:
         files = json.load(f).get("files", {})
     for rel, meta in files.items():
         full = os.path.join(tag_dir, rel)
         if not os.path.isfile(full):
-            raise ConversionError(f"{full}: missing (listed in {MANIFEST})")
+            raise IntegrityError(f"{full}: missing (listed in {MANIFEST})")
         if os.path.getsize(full) != int(meta["size"]):
-            raise ConversionError(f"{full}: size {os.path.getsize(full)} != {meta['size']} in {MANIFEST} (truncated?)")
+            raise IntegrityError(f"{full}: size {os.path.getsize(full)} != {meta['size']} in {MANIFEST} (truncated?)")
 
 
 def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = None) -> CheckpointSource:
@@ -114,7 +120,29 @@ def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = No
     if extra:
         raise ConversionError(f"{tag_dir}: shards for model-parallel ranks {sorted(extra)} but the run's config has "
                               f"parallel.tp={tp} (mismatched config.yaml?)")
-    return CheckpointSource(tag_dir, cfg, tp, bool(zero3), files)
+    return CheckpointSource(tag_dir, cfg, tp, bool(zero3), files, config_path)
+
+
+def verify_checksums(src: CheckpointSource) -> None:
+    """Every file of the checkpoint against its manifest's sha256 (train.checkpoint.verify: streamed,
+    on a thread pool). Run before any file is unpickled. Raises IntegrityError naming each bad file."""
+    problems = verify(src.tag_dir)
+    if problems:
+        raise IntegrityError(f"{src.tag_dir} does not match its {MANIFEST}: " + "; ".join(problems)
+                             + " (--skip-verify converts it anyway)")
+
+
+def check_config_hash(src: CheckpointSource, client: dict) -> None:
+    """The checkpoint's client-state `config_hash` (saved by training) against the config that rebuilds
+    it: another run's checkpoint with the same shapes must not convert under this run's config.
+    Checkpoints saved without one (older runs) pass."""
+    saved, ours = client.get("config_hash"), config_hash(src.config)
+    if saved not in (None, ours):
+        raise IntegrityError(
+            f"{src.tag_dir}: client state key 'config_hash' is {saved}, but {src.config_path or 'the config'} hashes "
+            f"to {ours}: the checkpoint was saved under another config (another run's checkpoint, or config.yaml "
+            "changed since, e.g. by a resume with a changed config). Pass --config with the config it was saved "
+            "with, or --skip-verify")
 
 
 def _load(path: str) -> dict:

@@ -1,7 +1,8 @@
 """A checkpoint-shaped run directory without training (benchmarks and tests of the converter).
 
 Writes what a TP=1, ZeRO 0-2 run writes for its weights: config.yaml, checkpoints/<tag>/
-mp_rank_00_model_states.pt ({"module": state_dict, client state}), manifest.json and `latest`.
+mp_rank_00_model_states.pt ({"module": state_dict, client state with tokenizer_hash and config_hash, as
+training saves them}), manifest.json and `latest`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 
 import torch
 
-from ..config import Config, save_config
+from ..config import Config, config_hash, save_config
 from ..train.checkpoint import LATEST, _atomic_write, tag_for, write_manifest
 
 
@@ -23,7 +24,8 @@ def write_checkpoint(model: torch.nn.Module, cfg: Config, run_dir: str, tokenize
     tag_dir = os.path.join(run_dir, cfg.checkpoint.dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    state = {"module": model.state_dict(), "tokenizer_hash": tokenizer_hash, "mp_world_size": 1,
+    state = {"module": model.state_dict(), "tokenizer_hash": tokenizer_hash, "config_hash": config_hash(cfg),
+             "mp_world_size": 1,
              "dp_world_size": 1, "global_steps": step}
     torch.save(state, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     write_manifest(tag_dir, step)

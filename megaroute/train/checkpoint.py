@@ -90,12 +90,17 @@ def _files(tag_dir: str) -> list[str]:
     return sorted(out)
 
 
+def hash_files(paths: list[str]) -> list[str]:
+    """sha256 of each file (streamed in chunks), in order. Hashing is I/O plus C code that releases
+    the GIL: one thread per file (up to 8) keeps a many-shard checkpoint near the speed of its
+    slowest file rather than their sum. Used for writing manifests and verifying them."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(paths)))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def write_manifest(tag_dir: str, step: int) -> dict:
     rels = _files(tag_dir)
-    # Hashing is I/O plus C code that releases the GIL: one thread per file (up to 8) keeps a
-    # many-shard checkpoint's commit near the speed of the slowest file rather than their sum.
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(rels)))) as pool:
-        digests = list(pool.map(lambda rel: sha256_file(os.path.join(tag_dir, rel)), rels))
+    digests = hash_files([os.path.join(tag_dir, rel) for rel in rels])
     files = {rel: {"size": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": digest}
              for rel, digest in zip(rels, digests)}
     manifest = {"tag": os.path.basename(tag_dir), "step": step, "created": time.time(), "files": files}
@@ -116,15 +121,18 @@ def verify(tag_dir: str) -> list[str]:
         return [f"{path}: unreadable manifest ({type(e).__name__}: {e})"]
     if not entries:
         return [f"{path}: lists no files"]
-    problems = []
+    problems, to_hash = [], []
     for rel, size, sha in entries:
         full = os.path.join(tag_dir, rel)
         if not os.path.isfile(full):
             problems.append(f"{full}: missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full}: size {os.path.getsize(full)} != manifest {size} (truncated?)")
-        elif sha256_file(full) != sha:
-            problems.append(f"{full}: sha256 mismatch (corrupted)")
+        else:
+            to_hash.append((full, sha))
+    for (full, sha), actual in zip(to_hash, hash_files([full for full, _ in to_hash])):
+        if actual != sha:
+            problems.append(f"{full}: sha256 mismatch (corrupted): manifest {sha}, file {actual}")
     return problems
 
 

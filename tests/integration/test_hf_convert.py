@@ -71,6 +71,8 @@ def test_converted_and_audit_loaded_logits_equal_deepspeed_checkpoint(runs, name
     res = _convert([runs[name] / "checkpoints", out])  # `latest` of the checkpoints directory
     assert "converting step_00000002" in res.stderr  # the progress bar
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    # Dense runs export as native Llama (format auto), routed ones as megaroute remote code.
+    assert type(hf).__name__ == ("LlamaForCausalLM" if name.startswith("dense") else "MegarouteForCausalLM")
     tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # from the run's prepared data dir
     text = ["First Citizen:\nBefore we proceed any further, hear me", "MENENIUS:\nWhat work's, my countrymen, in h"]
     tokens = torch.tensor([tok(t)["input_ids"][:40] for t in text])

@@ -67,7 +67,7 @@ def _convert(run, out, char_tok, **kw):
 @torch.no_grad()
 def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char_tok, method):
     run, model, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
-    out = _convert(run, tmp_path / "hf", char_tok)
+    out = _convert(run, tmp_path / "hf", char_tok, format="megaroute")  # dense too: the remote-code export
     hf = _load(out)
     x = torch.randint(0, 60, (2, 40))
     torch.manual_seed(1)  # the random baseline draws its causal choices
@@ -215,8 +215,10 @@ def test_clear_errors(make_run, tmp_path, char_tok):
     with pytest.raises(ConversionError, match=r"mp_rank_01_model_states.pt: missing model shard"):
         _convert(run, tmp_path / "d", char_tok)
     open(cfg_path, "w").write(text.replace("d_model: 32", "d_model: 64"))
+    with pytest.raises(ConversionError, match=r"client state key 'config_hash' is"):
+        _convert(run, tmp_path / "e", char_tok)  # the config the checkpoint was saved with is not this one
     with pytest.raises(ConversionError, match=r"embed.weight: shape \(96, 32\).*expected \(96, 64\)"):
-        _convert(run, tmp_path / "e", char_tok)
+        _convert(run, tmp_path / "e", char_tok, skip_verify=True)
     open(cfg_path, "w").write(text)
     tag_dir = os.path.join(run, "checkpoints", "step_00000003")
     os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
@@ -250,12 +252,8 @@ def test_cli_reports_errors(make_run, tmp_path, char_tok, capsys):
     assert "already exists; pass --force" in capsys.readouterr().err
 
 
-def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    run, _, _ = make_run("routing.method=mod")
-    out = _convert(run, tmp_path / "hf", char_tok)
+def _tiny_task(tmp_path):
+    """A local lm-eval multiple-choice task (offline); returns its directory (task name megaroute_tiny)."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     docs = [{"context": "First Citizen:\nYou are all resolved rather to", "choices": [" die", " eat"], "label": 0},
@@ -276,6 +274,16 @@ def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
         metric_list:
           - metric: acc
         """))
+    return tasks
+
+
+def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    run, _, _ = make_run("routing.method=mod")
+    out = _convert(run, tmp_path / "hf", char_tok)
+    tasks = _tiny_task(tmp_path)
     results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True",
                                       tasks=["megaroute_tiny"], task_manager=TaskManager(include_path=str(tasks)),
                                       batch_size=2, device="cpu")  # lm-eval pads on the right
@@ -325,3 +333,87 @@ def test_convert_benchmark_runs_on_tiny_configs(tmp_path, capsys):
     # The calibrated causal predictor passes about the configured 12.5% of tokens.
     frac = float(out.split("mod_calibrated")[-2].split("routed blocks ran ")[1].split("%")[0])
     assert frac < 40
+
+
+# Runs in a Python that cannot import megaroute: `-I -S` (isolated, no site: neither PYTHONPATH, the
+# user site nor the venv's .pth files, so megaroute's editable-install finder is never installed),
+# from a temporary cwd, with only the venv's site-packages directories appended to sys.path.
+LLAMA_CHECK = r"""
+import importlib.util, json, sys
+sys.path.extend(json.loads(sys.argv[1]))
+assert importlib.util.find_spec("megaroute") is None, "megaroute is importable"
+try:
+    import megaroute  # noqa: F401
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("megaroute is importable")
+import torch
+from transformers import AutoModelForCausalLM
+out, tokens_path, logits_path, tasks = sys.argv[2:6]
+hf = AutoModelForCausalLM.from_pretrained(out).eval()  # no trust_remote_code
+assert type(hf).__name__ == "LlamaForCausalLM", type(hf)
+with torch.no_grad():
+    torch.save(hf(torch.load(tokens_path)).logits, logits_path)
+import lm_eval
+from lm_eval.tasks import TaskManager
+results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out}", tasks=["megaroute_tiny"],
+                                  task_manager=TaskManager(include_path=tasks), batch_size=2, device="cpu")
+metrics = results["results"]["megaroute_tiny"]
+assert 0.0 <= metrics["acc,none"] <= 1.0 and all(v == v for v in metrics.values() if isinstance(v, float)), metrics
+assert "megaroute" not in sys.modules
+print("LLAMA_OK", type(hf).__name__)
+"""
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@torch.no_grad()
+def test_dense_exports_native_llama_without_megaroute(make_run, tmp_path, char_tok, tie):
+    import sysconfig
+
+    from safetensors import safe_open
+
+    from megaroute.audit.report import load_run_model
+
+    run, model, cfg = make_run(f"model.tie_embeddings={str(tie).lower()}", "model.rope_theta=500.0",
+                               "model.norm_eps=1e-6")
+    out = _convert(run, tmp_path / "hf", char_tok)  # format auto: dense -> llama
+    assert not [n for n in os.listdir(out) if n.endswith(".py")]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert "auto_map" not in config and config["tie_word_embeddings"] is tie
+    assert config["rms_norm_eps"] == 1e-6 and config["vocab_size"] == cfg.model.vocab_size
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"} <= names
+    assert ("lm_head.weight" in names) is (not tie)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    tasks = _tiny_task(tmp_path)
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", LLAMA_CHECK, json.dumps(paths), out,
+                          str(tmp_path / "tokens.pt"), str(tmp_path / "theirs.pt"), str(tasks)],
+                         cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "LLAMA_OK LlamaForCausalLM" in res.stdout, res.stdout[-3000:] + res.stderr[-5000:]
+    ours = model(tokens, options=ForwardOptions(mode="causal")).logits
+    torch.testing.assert_close(torch.load(tmp_path / "theirs.pt"), ours, atol=1e-5, rtol=0)
+    back, back_cfg = load_run_model(out)  # the audit reads the export back (e.g. a dense --reference)
+    assert back_cfg.routing.method == "none" and back_cfg.model.tie_embeddings is tie
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_format_choice(make_run, tmp_path, char_tok):
+    run, _, _ = make_run()
+    out = _convert(run, tmp_path / "forced", char_tok, format="megaroute")
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "megaroute"
+    assert type(_load(out)).__name__ == "MegarouteForCausalLM"
+    routed, _, _ = make_run("routing.method=mod", name="routed")
+    with pytest.raises(ConversionError, match="--format llama needs a dense model"):
+        _convert(routed, tmp_path / "llama", char_tok, format="llama")
+    assert json.load(open(os.path.join(_convert(routed, tmp_path / "auto", char_tok), "config.json")))[
+        "model_type"] == "megaroute"
