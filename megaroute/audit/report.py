@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from .. import metric_names
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, RoutingConfig
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.tokenizers import load_tokenizer
+from ..hf.llama import megaroute_state_dict, model_config_from_llama
 from ..hf.modeling_megaroute import megaroute_sections
 from ..hf.reader import ConversionError, full_state_dict, locate
 from ..model import ForwardOptions, build_model
@@ -68,9 +69,6 @@ def load_hf_model(path: str, device: str = "cpu"):
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
 
     if hf.config.model_type == "llama":  # a dense export: rebuild megaroute's Transformer from its weights
-        from ..config import RoutingConfig
-        from ..hf.llama import megaroute_state_dict, model_config_from_llama
-
         model_cfg, routing_cfg = model_config_from_llama(hf.config), RoutingConfig(method="none")
         model = build_model(model_cfg, routing_cfg)
         model.load_state_dict(megaroute_state_dict(hf.state_dict(), model_cfg.tie_embeddings))

@@ -1,107 +1,370 @@
-"""The routing-family benchmark on character-level Tiny Shakespeare (CPU, minutes per run).
+"""The routing benchmark on character-level Tiny Shakespeare: the experiment recipes, checked by numbers.
 
-    python -m megaroute.bench.routing [--steps-scale 0.5] [--only halting] [--runs-dir runs/bench_routing]
+    python -m megaroute.bench.routing [--quick] [--only PART] [--reuse] [--runs-dir runs/bench_routing]
 
-Trains through launcher/pretrain.py (a real DeepSpeed engine, one rank):
-  halting: dense vs halting gates at lambda 0 and 0.05 -> validation loss (soft), hard-skip loss
-           at tau and their gap, TLOps saved;
-  gates:   the dense run's checkpoint, then controller-only G1 and G3, each with and without
-           utility/rank -> loss curves (best / average, threshold hits) and training FLOPs proxy.
-Prints one table and writes the curves to <runs-dir>/curves.csv.
+Trains configs/experiments/char_*.yaml through launcher/pretrain.py (a real DeepSpeed engine, one
+rank, CPU), reads each run's last evaluation record (metrics.jsonl; names in megaroute/metric_names.py)
+and loads the trained checkpoints in-process for what training's evaluation does not measure.
+One table per part, printed and written as markdown to <runs-dir>/routing_tables.md:
+
+  halting    (a) dense vs halting gates over an init_bias / penalty (lambda) sweep: soft loss
+             (val/loss_soft: every token runs every block, scaled by p), hard loss (eval/loss: tokens
+             with p < tau skip the block), TLOps saved (1 - eval/tlops_frac), the hard loss's increase
+             over dense, whether that is the published operating point (OPERATING_POINT), and the
+             measured forward time of the hard model vs dense on the same validation batches;
+  early_exit (b) halting vs early exit at matched TLOps: the early-exit checkpoint is re-evaluated
+             in-process at the exit threshold (an evaluation-time knob) whose TLOps match each
+             halting run's, found by bisection;
+  baselines  (c) learned MoD vs trained random and stride routing at the same capacity: causal
+             eval/loss at eval/exec_frac (the executed fraction) and eval/budget;
+  gates      (d) depth gates G1 / G3, controller-only from the dense run, with and without
+             utility/rank supervision, off- and on-policy oracle labels: causal eval/loss and top-k
+             val/loss_topk (sees future tokens) at eval/exec_frac vs eval/budget.
+
+--quick trains a quarter of the steps and fewer settings (QUICK), through the same code (minutes);
+--reuse keeps runs already finished in <runs-dir> (same steps) instead of training them again.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
-from ..config import load_config
+import torch
+
+from .. import metric_names as names
+from ..audit.report import load_run_model
+from ..config import Config, load_config
+from ..data.loader import PackedDataset, SequenceLoader
 from ..flops import training_proxy
+from ..model import ForwardOptions
+from ..model.routing import method_spec
+from ..model.routing.context import eval_modes
+from ..train.loop import Evaluator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The halting sweep (init_bias, penalty lambda): every point is a shipped config.
+HALTING = ["char_halting_l0", "char_halting_l0002", "char_halting_l005", "char_halting_b0_l0", "char_halting_b4_l0005"]
 SUITES = {
-    "halting": ["char_dense", "char_halting_l0", "char_halting_l005"],
-    "gates": ["char_dense", "char_g1", "char_g1_util_rank", "char_g3", "char_g3_util_rank"],
+    "halting": ["char_dense", *HALTING],
+    "early_exit": ["char_dense", *HALTING, "char_early_exit"],
+    "baselines": ["char_dense", "char_mod", "char_random", "char_stride"],
+    "gates": ["char_dense", "char_g1", "char_g1_util_rank", "char_g1_on_policy",
+              "char_g3", "char_g3_util_rank", "char_g3_on_policy"],
 }
+# --quick: the runs kept (with a quarter of the steps).
+QUICK = {"char_dense", "char_halting_l0", "char_halting_l0002", "char_early_exit", "char_mod", "char_random",
+         "char_stride", "char_g1", "char_g3_util_rank"}
+QUICK_STEPS_SCALE = 0.25
+# The halting paper's operating point: this range of token-layer ops saved at a hard-mode loss
+# increase over dense below this (relative).
+OPERATING_POINT = {"saved_min": 0.14, "saved_max": 0.23, "max_loss_increase": 0.005}
+TIMING_REPEATS = 7
+TLOPS = "eval/tlops_frac"
 
 
-def _run(name: str, runs_dir: str, steps_scale: float) -> float:
-    cfg = load_config(os.path.join(REPO, "configs/experiments", f"{name}.yaml"))
-    steps = max(10, int(cfg.train.max_steps * steps_scale))
+@dataclass
+class Run:
+    name: str
+    cfg: Config
+    record: dict  # the last "eval" record of its metrics.jsonl
+    seconds: float  # training wall time (0 when reused)
+
+    def get(self, key: str):
+        return self.record.get(key)
+
+
+def config(name: str) -> Config:
+    return load_config(os.path.join(REPO, "configs/experiments", f"{name}.yaml"))
+
+
+def steps_for(cfg: Config, steps_scale: float) -> int:
+    return max(10, int(cfg.train.max_steps * steps_scale))
+
+
+def last_eval(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if r["kind"] == "eval"][-1]
+
+
+def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: int = 1) -> Run:
+    """Trains one config (or keeps the finished run with --reuse) -> Run."""
+    cfg, run_dir = config(name), os.path.join(runs_dir, name)
+    steps = steps_for(cfg, steps_scale)
+    if reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and last_eval(run_dir)["step"] == steps:
+        return Run(name, cfg, last_eval(run_dir), 0.0)
     overrides = [f"runs_dir={runs_dir}", f"train.max_steps={steps}", "checkpoint.resume=none",
-                 f"train.eval_interval={max(5, steps // 8)}", f"tracking.uri=sqlite:///{runs_dir}/mlflow.db"]
+                 f"train.eval_interval={max(5, steps // 8)}", f"checkpoint.interval={steps}",
+                 "tracking.enabled=false"]
     if cfg.checkpoint.init_from:
         overrides.append(f"checkpoint.init_from={os.path.join(runs_dir, 'char_dense')}")
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run appends to it
     cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config",
            os.path.join(REPO, "configs/experiments", f"{name}.yaml"), *overrides]
     start = time.perf_counter()
     log = os.path.join(runs_dir, f"{name}.log")
     with open(log, "w") as f:
         rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
     if rc != 0:
         raise SystemExit(f"{name} failed (exit {rc}); see {log}")
-    return time.perf_counter() - start
+    return Run(name, cfg, last_eval(run_dir), time.perf_counter() - start)
 
 
-def _evals(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [r for r in records if r["kind"] == "eval"]
+# ---- in-process evaluation of trained checkpoints -------------------------------------------
+
+class _Engine:
+    """What the training Evaluator calls on a DeepSpeed engine, for a plain model."""
+
+    def __init__(self, model):
+        self.module, self.device = model, torch.device("cpu")
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        pass  # stays in eval mode
 
 
-def _row(name: str, runs_dir: str, seconds: float) -> dict:
-    cfg = load_config(os.path.join(REPO, "configs/experiments", f"{name}.yaml"))
-    evals = _evals(os.path.join(runs_dir, name))
-    last = evals[-1]
-    second_mode = next((k for k in ("val/loss_hard", "val/loss_causal") if k in last), None)
-    tlops = last.get("val/tlops_frac_hard", last.get("val/tlops_frac_causal"))
-    hits = {k.rsplit("/", 1)[1]: int(v) for e in evals for k, v in e.items() if k.startswith("val/threshold_hit")}
-    return {
-        "run": name, "steps": last["step"], "val_loss": last["val/loss"], "best": last.get("val/best_loss"),
-        "avg": last.get("val/avg_loss"), "mode2": f"{second_mode.split('_')[-1]} {last[second_mode]:.4f}"
-        if second_mode else "-", "gap": last.get("val/soft_hard_gap"),
-        "tlops_saved": None if tlops is None else 1 - tlops, "full_frac": last.get("val/full_frac_causal"),
-        "proxy": training_proxy(cfg.model, cfg.routing, cfg.data.seq_len), "hits": hits, "seconds": seconds,
-    }
+def load(run_dir: str, other_modes: bool = True):
+    """-> (model in eval mode, Config, evaluate): evaluate() returns the eval/val metrics of the
+    training Evaluator (same batches, same names) with the checkpoint's calibrated thresholds;
+    other_modes=False: only the eval/ metrics (the method's honest mode)."""
+    model, cfg = load_run_model(run_dir)
+    val = PackedDataset(cfg.data.output_dir, "val", seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    honest = method_spec(cfg.routing.method).honest_mode
+    modes = {s: m for s, m in eval_modes(cfg.routing.method).items() if other_modes or m == honest}
+    evaluate = Evaluator(_Engine(model), val, modes, honest_mode=honest, budget=None,
+                         batches=cfg.train.eval_batches, micro_batch_size=cfg.train.micro_batch_size,
+                         dp_rank=0, dp_size=1)
+    return model, cfg, evaluate
 
 
-def _fmt(v, spec: str = ".4f") -> str:
+def val_batches(cfg: Config) -> list[torch.Tensor]:
+    """The inputs of the validation batches the evaluation reads (rank 0 of 1)."""
+    val = PackedDataset(cfg.data.output_dir, "val", seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    mb = cfg.train.micro_batch_size
+    loader = iter(SequenceLoader(val, mb, mb, 0, 1, seed=0))
+    return [next(loader)[0] for _ in range(cfg.train.eval_batches)]
+
+
+@torch.inference_mode()
+def forward_ms(models: dict[str, tuple], batches: list[torch.Tensor], repeats: int = TIMING_REPEATS
+               ) -> dict[str, float]:
+    """Median over `repeats` of the mean wall time (ms) of one forward pass over `batches`, per model
+    ({name: (model, routing mode)}); models alternate within each repeat, after one untimed pass."""
+    times = {name: [] for name in models}
+    for repeat in range(repeats + 1):
+        for name, (model, mode) in models.items():
+            options = ForwardOptions(mode=mode)
+            start = time.perf_counter()
+            for x in batches:
+                model(x, options=options)
+            if repeat:
+                times[name].append((time.perf_counter() - start) * 1e3 / len(batches))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def match_threshold(evaluate, target_tlops: float, iters: int = 10) -> tuple[float, dict]:
+    """Bisection on an early-exit threshold in [0, 1] for TLOps = target (TLOps grow with the
+    threshold: fewer tokens exit). evaluate(threshold) -> metrics; returns the closest (threshold, metrics)."""
+    lo, hi, best = 0.0, 1.0, None
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        metrics = evaluate(mid)
+        if best is None or abs(metrics[TLOPS] - target_tlops) < abs(best[1][TLOPS] - target_tlops):
+            best = (mid, metrics)
+        lo, hi = (mid, hi) if metrics[TLOPS] < target_tlops else (lo, mid)
+    return best
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _f(v, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def saved(run: Run):
+    tlops = run.get(TLOPS)
+    return None if tlops is None else 1 - tlops
+
+
+def increase(loss: float, reference: float) -> float:
+    return loss / reference - 1
+
+
+def lands(loss: float, dense_loss: float, tlops_saved: float) -> bool:
+    op = OPERATING_POINT
+    return op["saved_min"] <= tlops_saved <= op["saved_max"] and increase(loss, dense_loss) < op["max_loss_increase"]
+
+
+def halting_table(dense: Run, runs: list[Run], times: dict[str, float]) -> tuple[list[str], list[list[str]]]:
+    """(a) Dense vs halting; `times`: forward ms by run name (hard mode; dense as is)."""
+    header = ["run", "init_bias", "lambda", "tau", "soft loss (val/loss_soft)", "hard loss (eval/loss)",
+              "soft-hard gap", "TLOps saved", "hard loss vs dense", "operating point", "forward ms",
+              "forward vs dense", "train s"]
+    d = dense.get(names.LOSS)
+    rows = [[dense.name, "-", "-", "-", "-", _f(d), "-", _f(0.0, ".1%"), "-", "-", _f(times.get(dense.name), ".1f"),
+             "1.00x" if dense.name in times else "-", _f(dense.seconds, ".0f")]]
+    for r in runs:
+        h, loss, s = r.cfg.routing.halting, r.get(names.LOSS), saved(r)
+        t = times.get(r.name)
+        rows.append([r.name, f"{h.init_bias:g}", f"{h.penalty:g}", f"{h.tau:g}", _f(r.get("val/loss_soft")), _f(loss),
+                     _f(r.get("val/soft_hard_gap"), "+.4f"), _f(s, ".1%"), _f(increase(loss, d), "+.2%"),
+                     "**yes**" if lands(loss, d, s) else "no", _f(t, ".1f"),
+                     "-" if t is None or dense.name not in times else f"{t / times[dense.name]:.2f}x",
+                     _f(r.seconds, ".0f")])
+    return header, rows
+
+
+def early_exit_table(early_exit: Run, halting: list[Run], matches: dict[str, tuple[float, dict]]
+                     ) -> tuple[list[str], list[list[str]]]:
+    """(b) Per halting run: the early-exit run at the threshold matching its TLOps (`matches`:
+    halting run name -> (threshold, in-process eval metrics of the early-exit checkpoint))."""
+    header = ["halting run", "halting TLOps saved", "halting eval/loss (hard)", "early-exit threshold",
+              "early-exit TLOps saved", "early-exit eval/loss (causal, exits)", "halting vs early exit"]
+    rows = [["- (trained threshold)", "-", "-", f"{early_exit.cfg.routing.early_exit.threshold:g}",
+             _f(saved(early_exit), ".1%"), _f(early_exit.get(names.LOSS)), "-"]]
+    for r in halting:
+        threshold, ee = matches[r.name]
+        loss = r.get(names.LOSS)
+        rows.append([r.name, _f(saved(r), ".1%"), _f(loss), f"{threshold:.4f}", _f(1 - ee[TLOPS], ".1%"),
+                     _f(ee[names.LOSS]), _f(increase(loss, ee[names.LOSS]), "+.2%")])
+    return header, rows
+
+
+def baselines_table(dense: Run, runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """(c) Learned MoD and the trained capacity baselines (the first run is the reference)."""
+    header = ["run", "method", "capacity", "eval/loss (causal)", "eval/exec_frac", "eval/budget", "TLOps saved",
+              "val/loss_topk", "eval/loss vs " + runs[0].name, "train s"]
+    rows = [[dense.name, "none", "-", _f(dense.get(names.LOSS)), "-", "-", _f(0.0, ".1%"), "-", "-",
+             _f(dense.seconds, ".0f")]]
+    ref = runs[0].get(names.LOSS)
+    for r in runs:
+        rows.append([r.name, r.cfg.routing.method, f"{r.cfg.routing.capacity:g}", _f(r.get(names.LOSS)),
+                     _f(r.get(names.EXEC_FRAC), ".3f"), _f(r.get(names.BUDGET), ".3f"), _f(saved(r), ".1%"),
+                     _f(r.get(names.TOPK_LOSS)), _f(increase(r.get(names.LOSS), ref), "+.2%"), _f(r.seconds, ".0f")])
+    return header, rows
+
+
+def gates_table(dense: Run, runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """(d) Controller-only depth gates from the dense run."""
+    header = ["run", "gate", "utility/rank", "oracle", "eval/loss (causal)", "val/loss_topk", "eval/exec_frac",
+              "eval/budget", "eval/budget_gap", "eval/best_loss", "train FLOPs vs full", "train s"]
+    rows = [[dense.name + " (base)", "-", "-", "-", _f(dense.get(names.LOSS)), "-", "-", "-", "-",
+             _f(dense.get(names.BEST_LOSS)), "-", _f(dense.seconds, ".0f")]]
+    for r in runs:
+        g = r.cfg.routing.depth_gate
+        supervised = g.needs_oracle
+        rows.append([r.name, {"mlp": "G1", "jepa": "G3"}[g.gate], "yes" if supervised else "no",
+                     g.oracle.replace("_", "-") if supervised else "-", _f(r.get(names.LOSS)),
+                     _f(r.get(names.TOPK_LOSS)), _f(r.get(names.EXEC_FRAC), ".3f"), _f(r.get(names.BUDGET), ".3f"),
+                     _f(r.get("eval/budget_gap"), ".1%"), _f(r.get(names.BEST_LOSS)),
+                     f"{training_proxy(r.cfg.model, r.cfg.routing, r.cfg.data.seq_len):.2f}x", _f(r.seconds, ".0f")])
+    return header, rows
+
+
+TITLES = {
+    "halting": "(a) Dense vs halting (hard loss = eval/loss, tokens with p < tau skip the block; soft loss = "
+               "val/loss_soft, every block scaled by p; operating point: {saved_min:.0%}-{saved_max:.0%} TLOps saved "
+               "at < {max_loss_increase:.1%} hard-loss increase over dense; forward ms: median of {repeats} "
+               "repeats of the mean wall time of one forward over the {batches} validation batches of "
+               "{batch} x {seq}, hard mode, loaded in-process, {threads} CPU thread(s))",
+    "early_exit": "(b) Halting vs early exit at matched TLOps (the early-exit checkpoint re-evaluated at the exit "
+                  "threshold whose TLOps match the halting run's, by bisection; both losses autoregressive; "
+                  "halting vs early exit < 0: halting's loss is lower, as the halting paper reports, by 0.7%)",
+    "baselines": "(c) Learned MoD vs trained random / stride routing at the same capacity (eval/loss: causal "
+                 "routing, calibrated to the capacity; val/loss_topk: training's top-k, sees future tokens)",
+    "gates": "(d) Depth gates, controller-only from the dense run (eval/loss: causal, calibrated to the budget; "
+             "val/loss_topk: top-k, sees future tokens)",
+}
+
+
+# ---- the benchmark --------------------------------------------------------------------------
+
+def _part_halting(runs: dict[str, Run], runs_dir: str) -> tuple[list[str], list[list[str]]]:
+    dense, halting = runs["char_dense"], [runs[n] for n in HALTING if n in runs]
+    models = {dense.name: (load(os.path.join(runs_dir, dense.name))[0], "topk")}
+    for r in halting:
+        models[r.name] = (load(os.path.join(runs_dir, r.name))[0], "hard")
+    times = forward_ms(models, val_batches(dense.cfg))
+    return halting_table(dense, halting, times)
+
+
+def _part_early_exit(runs: dict[str, Run], runs_dir: str) -> tuple[list[str], list[list[str]]]:
+    model, _, evaluate = load(os.path.join(runs_dir, "char_early_exit"), other_modes=False)
+    heads = [layer for layer in model.layers if layer.exit_head is not None]
+
+    def at(threshold: float) -> dict:
+        for layer in heads:
+            layer.threshold = threshold
+        return evaluate()
+
+    halting = [runs[n] for n in HALTING if n in runs]
+    matches = {r.name: match_threshold(at, r.get(TLOPS)) for r in halting}
+    return early_exit_table(runs["char_early_exit"], halting, matches)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs-dir", default=os.path.join(REPO, "runs", "bench_routing"))
-    p.add_argument("--steps-scale", type=float, default=1.0, help="scale every config's max_steps")
-    p.add_argument("--only", choices=sorted(SUITES), help="run one suite")
+    p.add_argument("--runs-dir", help="default: runs/bench_routing (runs/bench_routing_quick with --quick)")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS_SCALE:g} of the steps, fewer settings")
+    p.add_argument("--only", choices=sorted(SUITES), action="append", help="run these parts (repeatable)")
+    p.add_argument("--reuse", action="store_true", help="keep finished runs of the same steps in the runs dir")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each training and of the in-process "
+                   "part (1: on shared cores, two threads per process stalled each other, 370 vs 6,700 tok/s)")
     args = p.parse_args(argv)
-    runs_dir = os.path.abspath(args.runs_dir)
+    torch.set_num_threads(args.threads)
+    runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "bench_routing_quick" if args.quick
+                                                             else "bench_routing"))
     os.makedirs(runs_dir, exist_ok=True)
-    names = list(dict.fromkeys(n for s in ([args.only] if args.only else SUITES) for n in SUITES[s]))
-    rows = []
-    for name in names:
+    parts = args.only or list(SUITES)
+    scale = QUICK_STEPS_SCALE if args.quick else 1.0
+    to_train = [n for n in dict.fromkeys(n for part in parts for n in SUITES[part]) if not args.quick or n in QUICK]
+    start = time.perf_counter()
+    runs = {}
+    for name in to_train:
         print(f"training {name} ...", flush=True)
-        rows.append(_row(name, runs_dir, _run(name, runs_dir, args.steps_scale)))
+        runs[name] = train(name, runs_dir, scale, args.reuse, args.threads)
+        print(f"  {runs[name].seconds:.0f}s  {names.LOSS}={runs[name].get(names.LOSS):.4f}", flush=True)
 
-    print(f"\n{'run':<20}{'steps':>6}{'val loss':>10}{'best':>9}{'avg':>9}{'2nd mode':>16}{'gap':>9}"
-          f"{'TLOps saved':>13}{'train FLOPs':>13}{'time':>8}  threshold hits (loss: step)")
-    for r in rows:
-        print(f"{r['run']:<20}{r['steps']:>6}{_fmt(r['val_loss']):>10}{_fmt(r['best']):>9}{_fmt(r['avg']):>9}"
-              f"{r['mode2']:>16}{_fmt(r['gap'], '+.4f'):>9}{_fmt(r['tlops_saved'], '.1%'):>13}"
-              f"{r['proxy']:>12.2f}x{r['seconds']:>7.0f}s  {r['hits'] or '-'}")
-    with open(os.path.join(runs_dir, "curves.csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "step", "val_loss"])
-        for name in names:
-            for e in _evals(os.path.join(runs_dir, name)):
-                writer.writerow([name, e["step"], e["val/loss"]])
-    print(f"\nloss curves: {os.path.join(runs_dir, 'curves.csv')}")
+    dense = runs["char_dense"]
+    fmt = {**OPERATING_POINT, "repeats": TIMING_REPEATS, "batches": dense.cfg.train.eval_batches,
+           "batch": dense.cfg.train.micro_batch_size, "seq": dense.cfg.data.seq_len, "threads": args.threads}
+    tables = []
+    for part in parts:
+        if part == "halting":
+            header, rows = _part_halting(runs, runs_dir)
+        elif part == "early_exit":
+            header, rows = _part_early_exit(runs, runs_dir)
+        else:
+            table = baselines_table if part == "baselines" else gates_table
+            header, rows = table(dense, [runs[n] for n in SUITES[part][1:] if n in runs])
+        tables.append(f"{TITLES[part].format(**fmt)}\n\n{markdown(header, rows)}\n")
+        print("\n" + tables[-1], flush=True)
+    footer = (f"{'--quick: ' if args.quick else ''}dense {steps_for(dense.cfg, scale)} steps of "
+              f"{dense.cfg.train.global_batch_size} x {dense.cfg.data.seq_len} characters (each config's "
+              f"train.max_steps x {scale:g}); total wall time {time.perf_counter() - start:.0f}s")
+    out = os.path.join(runs_dir, "routing_tables.md")
+    with open(out, "w") as f:
+        f.write("\n".join(tables) + f"\n{footer}\n")
+    print(f"{footer}\ntables: {out}")
     return 0
 
 
