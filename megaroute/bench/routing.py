@@ -74,7 +74,7 @@ class Run:
     name: str
     cfg: Config
     record: dict  # the last "eval" record of its metrics.jsonl
-    seconds: float  # training wall time (0 when reused)
+    seconds: float | None  # training wall time (a reused run: as recorded when it trained, if it was)
 
     def get(self, key: str):
         return self.record.get(key)
@@ -98,8 +98,13 @@ def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: in
     """Trains one config (or keeps the finished run with --reuse) -> Run."""
     cfg, run_dir = config(name), os.path.join(runs_dir, name)
     steps = steps_for(cfg, steps_scale)
+    seconds_file = os.path.join(run_dir, "bench_train_seconds")
     if reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and last_eval(run_dir)["step"] == steps:
-        return Run(name, cfg, last_eval(run_dir), 0.0)
+        seconds = None
+        if os.path.exists(seconds_file):
+            with open(seconds_file) as f:
+                seconds = float(f.read())
+        return Run(name, cfg, last_eval(run_dir), seconds)
     overrides = [f"runs_dir={runs_dir}", f"train.max_steps={steps}", "checkpoint.resume=none",
                  f"train.eval_interval={max(5, steps // 8)}", f"checkpoint.interval={steps}",
                  "tracking.enabled=false"]
@@ -116,7 +121,10 @@ def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: in
                              env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
     if rc != 0:
         raise SystemExit(f"{name} failed (exit {rc}); see {log}")
-    return Run(name, cfg, last_eval(run_dir), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    with open(seconds_file, "w") as f:
+        f.write(f"{seconds:.1f}\n")
+    return Run(name, cfg, last_eval(run_dir), seconds)
 
 
 # ---- in-process evaluation of trained checkpoints -------------------------------------------
@@ -244,7 +252,8 @@ def early_exit_table(early_exit: Run, halting: list[Run], matches: dict[str, tup
     for r in halting:
         threshold, ee = matches[r.name]
         loss = r.get(names.LOSS)
-        rows.append([r.name, _f(saved(r), ".1%"), _f(loss), f"{threshold:.4f}", _f(1 - ee[TLOPS], ".1%"),
+        nearest = " (nearest)" if abs(ee[TLOPS] - r.get(TLOPS)) > 0.005 else ""  # out of early exit's range
+        rows.append([r.name, _f(saved(r), ".1%"), _f(loss), f"{threshold:.4f}{nearest}", _f(1 - ee[TLOPS], ".1%"),
                      _f(ee[names.LOSS]), _f(increase(loss, ee[names.LOSS]), "+.2%")])
     return header, rows
 
@@ -342,7 +351,7 @@ def main(argv=None) -> int:
     for name in to_train:
         print(f"training {name} ...", flush=True)
         runs[name] = train(name, runs_dir, scale, args.reuse, args.threads)
-        print(f"  {runs[name].seconds:.0f}s  {names.LOSS}={runs[name].get(names.LOSS):.4f}", flush=True)
+        print(f"  {_f(runs[name].seconds, '.0f')}s  {names.LOSS}={runs[name].get(names.LOSS):.4f}", flush=True)
 
     dense = runs["char_dense"]
     fmt = {**OPERATING_POINT, "repeats": TIMING_REPEATS, "batches": dense.cfg.train.eval_batches,

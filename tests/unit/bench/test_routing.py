@@ -73,10 +73,13 @@ def test_match_threshold_bisects_a_monotone_tlops():
 def test_early_exit_table():
     ee = _run("char_early_exit", **{"eval/loss": 2.1, "eval/tlops_frac": 0.7})
     halting = _run("char_halting_l0", **{"eval/loss": 2.0, "eval/tlops_frac": 0.8})
-    header, rows = routing.early_exit_table(ee, [halting], {"char_halting_l0": (0.95, {"eval/loss": 2.05,
-                                                                                       "eval/tlops_frac": 0.801})})
+    beyond = _run("char_halting_l005", **{"eval/loss": 4.0, "eval/tlops_frac": 0.2})
+    header, rows = routing.early_exit_table(ee, [halting, beyond], {
+        "char_halting_l0": (0.95, {"eval/loss": 2.05, "eval/tlops_frac": 0.801}),
+        "char_halting_l005": (0.25, {"eval/loss": 2.5, "eval/tlops_frac": 1 / 3})})  # early exit's floor
     assert rows[0][3] == "0.9" and rows[0][4] == "30.0%"  # the trained threshold
     assert rows[1] == ["char_halting_l0", "20.0%", "2.0000", "0.9500", "19.9%", "2.0500", "-2.44%"]
+    assert rows[2][3] == "0.2500 (nearest)" and rows[2][4] == "66.7%"
     assert len(header) == len(rows[1])
 
 
@@ -87,6 +90,8 @@ def test_main_writes_baseline_and_gate_tables_from_finished_runs(tmp_path, capsy
     for name, loss, frac in (("char_mod", 2.1, 0.125), ("char_random", 2.2, 0.125), ("char_stride", 2.15, 0.125)):
         _write_run(runs_dir, name, 100, **{"eval/loss": loss, "eval/exec_frac": frac, "eval/budget": 0.125,
                                            "eval/tlops_frac": 1 - 3 * 0.875 / 6, "val/loss_topk": loss - 0.05})
+        with open(os.path.join(runs_dir, name, "bench_train_seconds"), "w") as f:
+            f.write("12.3\n")  # what train() recorded
     for name in ("char_g1", "char_g3_util_rank"):  # the gate runs --quick keeps
         _write_run(runs_dir, name, 50, **{"eval/loss": 2.01, "eval/exec_frac": 0.52, "eval/budget": 0.5,
                                           "eval/budget_gap": 0.04, "eval/best_loss": 2.005, "val/loss_topk": 1.99})
@@ -99,9 +104,10 @@ def test_main_writes_baseline_and_gate_tables_from_finished_runs(tmp_path, capsy
     assert "training char_mod" in out and "(c) Learned MoD" in out and "(d) Depth gates" in out
     with open(tmp_path / "routing_tables.md") as f:
         text = f.read()
-    assert "| char_random | random | 0.125 | 2.2000 | 0.125 | 0.125 | 43.8% | 2.1500 | +4.76% | 0 |" in text
+    assert "| char_random | random | 0.125 | 2.2000 | 0.125 | 0.125 | 43.8% | 2.1500 | +4.76% | 12 |" in text
     assert "| char_g3_util_rank | G3 | yes | off-policy | 2.0100 | 1.9900 | 0.520 | 0.500 | 4.0% | 2.0050 |" in text
     assert "| char_g1 | G1 | no | - |" in text and "--quick: dense 100 steps" in text
+    assert text.count("| - |\n") == 4  # no recorded training time: dense in both tables, the gate runs
     assert "char_g3 |" not in text  # not a --quick run
 
 
