@@ -52,7 +52,7 @@ from ..config import load_config
 from ..data import INDEX_FILE
 from ..data.prepare import prepare
 from ..train.mlflow_writer import create_sqlite_store
-from ..train.signals import EXIT_REQUEUE
+from ..train.signals import EXIT_REQUEUE, StopSignal
 from ..train.tracking import default_uri
 from . import report
 from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run
@@ -92,28 +92,6 @@ class _Running:
     started: float
     restarts: int
     slot: int
-
-
-class _Stop:
-    """SIGINT/SIGTERM -> `signum` (the first), `count` (how many)."""
-
-    def __init__(self):
-        self.signum: Optional[int] = None
-        self.count = 0
-        self._previous = {}
-
-    def install(self) -> "_Stop":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        self.count += 1
 
 
 def tracking_overrides(spec: SweepSpec, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str, str, str]:
@@ -259,7 +237,7 @@ def _describe_exit(rc: int) -> str:
 
 
 def run_points(spec: SweepSpec, points: list[Point], run_dirs: dict[int, str], parallel: int,
-               stop: _Stop, out: TextIO = sys.stdout) -> list[Outcome]:
+               stop: StopSignal, out: TextIO = sys.stdout) -> list[Outcome]:
     """Runs `points` at most `parallel` at a time until all have ended or `stop` is signalled."""
     def say(msg: str) -> None:
         print(f"sweep run: {msg}", file=out, flush=True)
@@ -274,15 +252,15 @@ def run_points(spec: SweepSpec, points: list[Point], run_dirs: dict[int, str], p
     free = list(range(parallel))
     stop_deadline: Optional[float] = None
     try:
-        while (pending and stop.signum is None) or running:
-            while pending and free and stop.signum is None:
+        while (pending and stop.received is None) or running:
+            while pending and free and stop.received is None:
                 p = pending.pop(0)
                 r = _launch(spec, p, run_dirs[p.index], stamp, 0, free.pop(0), parallel, gpus)
                 say(f"[{p.index}] {p.run_name}: started ({p.steps} steps), log {r.log}")
                 running.append(r)
-            if stop.signum is not None:
+            if stop.received is not None:
                 if stop_deadline is None:
-                    say(f"got {signal.Signals(stop.signum).name}: stopping {len(running)} running point(s) "
+                    say(f"got {signal.Signals(stop.received).name}: stopping {len(running)} running point(s) "
                         f"(SIGTERM: checkpoint, then exit {EXIT_REQUEUE}; SIGKILL in {STOP_GRACE_S:.0f} s or on "
                         "another signal)")
                     _signal(running, signal.SIGTERM)
@@ -296,7 +274,7 @@ def run_points(spec: SweepSpec, points: list[Point], run_dirs: dict[int, str], p
                 if rc == 0:
                     say(f"[{p.index}] {p.run_name}: finished in {took:.0f} s")
                     outcomes.append(Outcome(p, "finished", rc, r.log, took))
-                elif stop.signum is not None:
+                elif stop.received is not None:
                     say(f"[{p.index}] {p.run_name}: stopped ({_describe_exit(rc)}), log {r.log}")
                     outcomes.append(Outcome(p, "stopped", rc, r.log, took))
                 elif rc == EXIT_REQUEUE and r.restarts < MAX_REQUEUES:
@@ -338,18 +316,18 @@ def run_local(spec: SweepSpec, overrides: tuple[str, ...], parallel: int, params
         print(f"sweep run: [{o.point.index}] {o.point.run_name}: skipped (FINISHED in MLflow)", flush=True)
     configs = {p.index: load_config(p.config_path, p.overrides) for p in todo}
     _prepare_data(configs.values())
-    stop = _Stop().install()
+    stop = StopSignal((signal.SIGINT, signal.SIGTERM)).install()
     try:
         outcomes += run_points(spec, todo, {i: c.run_dir for i, c in configs.items()}, parallel, stop)
     finally:
         stop.uninstall()
     failed = [o for o in outcomes if o.status == "failed"]
-    if stop.signum is not None:
-        name = signal.Signals(stop.signum).name
+    if stop.received is not None:
+        name = signal.Signals(stop.received).name
         finish_parent(uri, experiment, spec.name, "KILLED", {"stopped_by": f"sweep run --local: {name}"})
         print(f"sweep run: stopped by {name}; parent run {parent} KILLED; run the same command again to resume",
               flush=True)
-        return 128 + stop.signum
+        return 128 + stop.received
 
     out = out_dir or os.path.abspath(os.path.join(runs_dir, "analysis"))
     try:  # ends the parent run: FINISHED (point counts in its tags), FAILED if the analysis fails

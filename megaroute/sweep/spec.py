@@ -279,11 +279,16 @@ def _design(path: str, raw) -> Design:
     return design
 
 
+def _ruled_section(path: str, key: str, raw, cls, rules, keys: dict, default: str):
+    """A `{rule: ..., <that rule's keys>}` section: the rule checked first, then its keys."""
+    rule = raw.get("rule", default) if isinstance(raw, dict) else None
+    if rule not in rules:
+        raise SweepSpecError(path, f"{key}.rule", f"must be one of {', '.join(rules)}, got {rule!r}")
+    return _section(path, key, raw, cls, keys[rule]), rule
+
+
 def _lr(path: str, raw) -> LrRule:
-    rule = raw.get("rule", "width") if isinstance(raw, dict) else None
-    if rule not in LR_RULES:
-        raise SweepSpecError(path, "lr.rule", f"must be one of {', '.join(LR_RULES)}, got {rule!r}")
-    lr = _section(path, "lr", raw, LrRule, LR_KEYS[rule])
+    lr, rule = _ruled_section(path, "lr", raw, LrRule, LR_RULES, LR_KEYS, "width")
     for name in ("base", "d_ref") if rule == "width" else ("coef",):
         _positive(path, f"lr.{name}", getattr(lr, name))
     if not 0 <= lr.min_lr_ratio <= 1:
@@ -292,10 +297,7 @@ def _lr(path: str, raw) -> LrRule:
 
 
 def _batch(path: str, raw) -> BatchRule:
-    rule = raw.get("rule", "compute") if isinstance(raw, dict) else None
-    if rule not in BATCH_RULES:
-        raise SweepSpecError(path, "batch.rule", f"must be one of {', '.join(BATCH_RULES)}, got {rule!r}")
-    batch = _section(path, "batch", raw, BatchRule, BATCH_KEYS[rule])
+    batch, _ = _ruled_section(path, "batch", raw, BatchRule, BATCH_RULES, BATCH_KEYS, "compute")
     _positive(path, "batch.coef", batch.coef)
     if batch.data_parallel is not None and not (isinstance(batch.data_parallel, int) and batch.data_parallel >= 1):
         raise SweepSpecError(path, "batch.data_parallel", f"must be an integer >= 1, got {batch.data_parallel!r}")

@@ -39,19 +39,12 @@ from .checkpoint import (CheckpointError, CheckpointManager, init_from_file, loa
 from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
+from .run_record import RUN_RECORD, await_run, tracked_run
 from .tracking import MLflowTracker, default_uri
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
                    "nonfinite": EXIT_NONFINITE}
-# <run_dir>/mlflow_run.json: the run directory's MLflow run (tracking URI, experiment, run id), written by
-# rank 0's tracking process as soon as the run exists; every later launch of the directory continues it.
-RUN_RECORD = "mlflow_run.json"
-# How long rank 0 waits before step 1 for the MLflow run to be created or found (a store that cannot be
-# reached ends the wait at its first failed attempt: training proceeds, the run follows when it can).
-RUN_START_TIMEOUT = 120.0
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Pretrain a dense or routed transformer under DeepSpeed.")
     p.add_argument("--config", required=True, help="YAML config (may use `base:` inheritance)")
@@ -166,7 +159,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
         probe_interval=cfg.train.log_interval,
     )
     if tracker is not None:
-        _await_run(cfg, tracker)
+        await_run(cfg, tracker)
     final = _fit(trainer, tracker, stop, watchdog)
     if final.stop_reason == "nonfinite" and env.is_main:
         print(f"error: {final.nonfinite_streak} consecutive non-finite steps (train.max_nonfinite_steps="
@@ -219,7 +212,7 @@ def _model(cfg: Config, env: DistEnv, layout: ParallelLayout, init_path: Optiona
 def _resume(cfg: Config, env: DistEnv, engine, manager: CheckpointManager, loader: SequenceLoader,
             tokenizer_hash: str) -> tuple[TrainState, LossSummary, Optional[str]]:
     """checkpoint.resume: restores engine, loader and loss summary from a checkpoint when there is
-    one -> (train state, loss summary, the MLflow run id saved in the checkpoint: see `_tracked_run`)."""
+    one -> (train state, loss summary, the MLflow run id saved in the checkpoint: see `run_record.tracked_run`)."""
     state, summary = TrainState(), LossSummary(cfg.train.loss_thresholds)
     if cfg.checkpoint.resume == "none":
         return state, summary, None
@@ -341,53 +334,9 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
         print(f"warning: resuming {tag} with a changed config (hash {client['config_hash']} -> {chash})", flush=True)
 
 
-def _read_run_record(path: str) -> dict:
-    try:
-        with open(path) as f:
-            record = json.load(f)
-        return record if isinstance(record, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _tracked_run(cfg: Config, uri: str, resumed_step: int, checkpoint_run_id: Optional[str]) -> tuple[Optional[str], bool]:
-    """The MLflow run this launch continues -> (run id or None, whether to look it up by name and tags).
-
-    `checkpoint.resume=none` is a fresh training run: a new MLflow run, whose id replaces the record.
-    Otherwise the run directory's record (when made for the same tracking URI and experiment), else the
-    id saved in the resumed checkpoint (run directories from before the record), else, if the directory
-    has history (a checkpoint resumed, or metrics logged by an earlier launch), the tracking process
-    looks for the run by name and tags (the record was never written: a store unreachable all along)."""
-    if cfg.checkpoint.resume == "none":
-        return None, False
-    path = os.path.join(cfg.run_dir, RUN_RECORD)
-    record = _read_run_record(path)
-    if record.get("run_id"):
-        if record.get("tracking_uri") == uri and record.get("experiment") == cfg.tracking.experiment:
-            return str(record["run_id"]), False
-        print(f"note: {path} names MLflow run {record['run_id']} of experiment {record.get('experiment')!r} at "
-              f"{record.get('tracking_uri')}; this launch logs to experiment {cfg.tracking.experiment!r} at {uri}, "
-              "in a new run", flush=True)
-        return None, False
-    if checkpoint_run_id:
-        return checkpoint_run_id, False
-    return None, resumed_step > 0 or os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
-
-
-def _await_run(cfg: Config, tracker: MLflowTracker) -> None:
-    """Before step 1: the MLflow run exists and its id is in <run_dir>/mlflow_run.json, or a warning says
-    why not (training proceeds either way)."""
-    if tracker.wait_for_run(RUN_START_TIMEOUT):
-        print(f"MLflow run {tracker.run_id} at {tracker.uri} (experiment {cfg.tracking.experiment!r})", flush=True)
-    else:
-        why = tracker.last_error or f"no answer within {RUN_START_TIMEOUT:g}s"
-        print(f"warning: MLflow run not opened before training ({why}); training proceeds, and "
-              f"{os.path.join(cfg.run_dir, RUN_RECORD)} is written when it is", file=sys.stderr, flush=True)
-
-
 def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, resumed_step: int = 0,
                   total_steps: Optional[int] = None):
-    """Rank 0's tracker. `run_id`: the one saved in the resumed checkpoint (see `_tracked_run`)."""
+    """Rank 0's tracker. `run_id`: the one saved in the resumed checkpoint (see `run_record.tracked_run`)."""
     if not cfg.tracking.enabled:
         return None
 
@@ -409,7 +358,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, r
         params["flops.train_executed_vs_full"] = round(
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
     uri = cfg.tracking.uri or default_uri(cfg.runs_dir)
-    run_id, find_existing = _tracked_run(cfg, uri, resumed_step, run_id)
+    run_id, find_existing = tracked_run(cfg, uri, resumed_step, run_id)
     metrics_file = os.path.join(cfg.run_dir, "metrics.jsonl")
     backfill = None  # points up to the resumed step that the store may lack (a tracker killed before sending)
     if resumed_step > 0 and cfg.checkpoint.resume != "none" and os.path.exists(metrics_file):

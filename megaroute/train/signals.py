@@ -11,16 +11,21 @@ EXIT_REQUEUE = 75            # stopped by a signal after committing a checkpoint
 
 
 class StopSignal:
-    """Records that a stop was requested; the loop agrees on it across ranks at a step boundary."""
+    """Records that a stop was requested; the loop agrees on it across ranks at a step boundary.
+
+    `received` is the first signal, `count` how many arrived (a second one escalates, e.g. in
+    `sweep run --local`)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, signals: tuple[signal.Signals, ...] = SIGNALS):
+        self.signals = signals
         self.received: int | None = None
+        self.count = 0
         self._previous = {}
 
     def install(self) -> "StopSignal":
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -29,7 +34,8 @@ class StopSignal:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
+        self.received = self.received or signum
+        self.count += 1
 
     def request(self, signum: int = signal.SIGTERM) -> None:
         """Asks for a stop as if `signum` had arrived (e.g. the launcher died)."""

@@ -19,7 +19,7 @@ import signal
 
 import pytest
 
-from megaroute.train.run import RUN_RECORD
+from megaroute.train.run_record import RUN_RECORD
 from megaroute.train.signals import EXIT_OK, EXIT_REQUEUE
 
 from .conftest import losses, read_metrics, wait_for

@@ -1,7 +1,7 @@
 """One MLflow run per training run: the run directory's record (<run_dir>/mlflow_run.json), the
 look-up by name and tags of a run whose record was never written, the points re-sent on resume,
 the lock that orders a killed job's tracking process before the relaunched one, and which run a
-launch continues (`run._tracked_run`).
+launch continues (`run_record.tracked_run`).
 
 The writer runs in this process (`MLflowWriter`, what the tracking process runs), against one
 SQLite store per module; `MLflowTracker.wait_for_run` is tested against a port nobody listens on.
@@ -22,7 +22,7 @@ import pytest
 import megaroute.train.mlflow_writer as mlflow_writer
 from megaroute.config import load_config
 from megaroute.train.mlflow_writer import MLflowWriter
-from megaroute.train.run import RUN_RECORD, _tracked_run
+from megaroute.train.run_record import RUN_RECORD, tracked_run as _tracked_run
 from megaroute.train.tracking import MLflowTracker
 
 pytest.importorskip("mlflow")

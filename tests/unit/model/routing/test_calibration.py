@@ -60,6 +60,8 @@ def _char_batches(seq_len: int, batch: int, split: str, vocab: dict[str, int]):
         yield rows[:, :-1], rows[:, 1:]
 
 
+# Training steps per method: the fixed baselines (random, stride, first_k) have no learned decider
+# to settle, so a few steps show they stay on budget once trained weights move the hidden states.
 BUDGETED = {
     "mod": ("routing.method=mod", "routing.capacity=0.25"),
     "mod_predictor": ("routing.method=mod", "routing.capacity=0.25", "routing.causal_method=predictor"),
@@ -73,7 +75,7 @@ BUDGETED = {
 
 @pytest.mark.parametrize("name", sorted(BUDGETED))
 def test_causal_evaluation_executes_the_budget_after_training(make_model, name):
-    """After 60 steps on Tiny Shakespeare and the calibration pass, causal mode on held-out text executes
+    """After 60 steps (5 for the fixed baselines) on Tiny Shakespeare and the calibration pass, causal mode on held-out text executes
     within 10% (relative) of the budget at every routed layer. (The training-time estimate alone
     executed 30% for MoD at 25%, 80% for G1 and 100% or 0% for G3 at 50% here.)"""
     text = CORPUS.read_text()
@@ -84,7 +86,7 @@ def test_causal_evaluation_executes_the_budget_after_training(make_model, name):
     T = cfg.data.seq_len
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train = _char_batches(T, 8, "train", vocab)
-    for _ in range(60):
+    for _ in range(5 if name in ("random", "stride", "first_k") else 60):
         x, y = next(train)
         out = model(x, y)
         out.loss.backward()
