@@ -54,6 +54,12 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
 * Early exit: every block on every token (an upper bound at inference, as for halting), a
   confidence head (2*d) per token at each routed block; training adds, per routed block, the
   LM-head readout of its hidden state for the consistency label (no_grad).
+* Mixture-of-Experts (moe, mode_staged, mode_integrated; model/routing/moe.py): FLOPs count the
+  experts each token runs, 6*d*h per expert assignment (token choice: top_k per token up to the
+  experts' capacity, assuming no drop beyond it, an upper bound; expert choice: C per expert), the
+  shared experts on every processed token and the router (2*d*outputs per token). MoDE runs the
+  attention on the tokens that run the block (integrated: assumes the experts' choices do not
+  overlap, an upper bound). `megaroute inspect` reports active parameters per token beside the total.
 * Training = 3 x (forward + train_extra) + no_grad: the default for every recipe, including
   controller-only ones (`train.controller_only`), so recipes compare under one convention (the
   published ~1.53x / ~1.07x depth-gate ratios) and MFU stays model FLOPs.
@@ -71,8 +77,9 @@ Conventions (the numbers drive isoFLOP budgets and MFU, so they are fixed and te
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -288,6 +295,31 @@ def cpu_peak_flops(cores: Optional[int] = None) -> float:
     return cores * CPU_GHZ * 1e9 * CPU_FLOPS_PER_CYCLE
 
 
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", n: int = 2048,
+                         iters: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Achieved FLOP/s of an n x n x n matmul in `dtype` (2*n^3 FLOPs): the practical peak that
+    benchmarks measure MFU against, beside the datasheet's `peak_flops`. CPU: the best of `iters`
+    single matmuls timed with `clock` (time.thread_time on a loaded machine, with one thread);
+    CUDA: `iters` back-to-back matmuls timed with events."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: kernel selection, allocator
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        end.synchronize()
+        return 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3)
+    best = float("inf")
+    for _ in range(iters):
+        t0 = clock()
+        a @ b
+        best = min(best, clock() - t0)
+    return 2 * n**3 / best
+
+
 def peak_flops(device: Optional[str] = None) -> float:
     """Peak FLOP/s of one device.
 
@@ -306,5 +338,6 @@ def peak_flops(device: Optional[str] = None) -> float:
 
 __all__ = [
     "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
-    "cpu_peak_flops", "estimate_flops", "flops_per_token", "mfu", "peak_flops", "training_proxy",
+    "cpu_peak_flops", "estimate_flops", "flops_per_token", "measure_matmul_flops", "mfu", "peak_flops",
+    "training_proxy",
 ]

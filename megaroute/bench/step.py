@@ -1,23 +1,37 @@
-"""Training-step throughput of a dense vs a Mixture-of-Depths model of the same shape.
+"""Training-step speed: dense vs MoD vs each routed method, against the FLOPs and the machine's matmul peak.
 
-    python -m megaroute.bench.step [--steps 10 --warmup 3 --precision fp32 bf16 --profile]
+    python -m megaroute.bench.step [--steps 10 --warmup 2 --precision fp32 bf16 --threads 1 --clock thread]
+    python -m megaroute.bench.step --variants reference dense mod     # today's dense step vs the optimised one
     python -m megaroute.bench.step --device cuda [--shape 157m --batch 8 16 --seq-len 1024]
     python -m megaroute.bench.step --device cuda --config configs/dense_350m.yaml configs/mod_350m.yaml
 
-Times full training steps (forward + backward + AdamW step) and compares the MoD/dense
-step-time ratio with the analytic FLOPs ratio from megaroute.flops. Target: the MoD step
-costs at most 1.15 x its FLOPs share of a dense step, i.e. routing overhead (router, top-k,
-gather/scatter) stays small.
+Times full training steps (forward + backward + AdamW step) of each variant and prints, per
+precision: the median (and best) step time, step/dense beside the analytic FLOPs share
+(megaroute.flops; "vs FLOPs" = (step/dense) / (FLOPs/dense), 1.00x = the time saved matches the
+FLOPs saved), tokens/s, achieved model GFLOP/s and MFU of the median step against the matmul peak
+measured in the same run (the best of one n^3 fp32 or bf16 matmul per round, `--peak-size`, timed
+with the same clock between the rounds of steps).
 
-CPU (default): the 6-layer/384 shape; dense and MoD steps alternate so machine noise hits both
-alike. On a shared machine wall-clock times swing with other load; `--threads 1 --clock thread`
-measures this thread's CPU time instead, which other processes barely disturb.
+Variants (CPU default: all of them): `reference` is today's dense step kept for comparison - the
+reference math (`Transformer.set_fused(False)`: float32 RoPE via chunk/cat, torch's SDPA kernel,
+F.cross_entropy on a float32 copy of the logits) and torch's default (for-loop) AdamW; `dense` is
+the optimised step (fused RoPE, CPU bf16 attention as matmuls, chunked cross-entropy, fused AdamW);
+`mod` (capacity 0.125), the capacity baselines `random` / `stride` / `first_k` (same capacity),
+`depth_gate` (budget 0.5), `halting` (soft training forward) and `early_exit`, each routing every
+2nd block. Targets: dense >= 1.3x faster than reference in fp32 and >= 1.2x in bf16; MoD's
+step/dense at most 1.05x its FLOPs ratio.
 
-CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`) at realistic
-micro-batches, bf16 autocast over fp32 weights with fused AdamW (fp16 + GradScaler where the GPU
-has no bf16), timed with CUDA events. Prints step time, tokens/s, achieved model TFLOP/s and MFU
-against the device's datasheet peak (megaroute.flops, `--peak-tflops` overrides), with a measured
-matmul peak beside it; then greedy KV-cache sampling tokens/s of MoD vs dense (`--no-sample` skips).
+CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
+variants' steps are interleaved round by round so machine noise hits all alike. On a shared
+machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
+thread's CPU time instead, which other processes barely disturb.
+
+CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
+adds the others on the dense config's shape) at realistic micro-batches, bf16 autocast over fp32
+weights with fused AdamW (fp16 + GradScaler where the GPU has no bf16), timed with CUDA events.
+Prints step time, tokens/s, achieved model TFLOP/s and MFU against the device's datasheet peak
+(megaroute.flops, `--peak-tflops` overrides), with the measured matmul peak beside it; then greedy
+KV-cache sampling tokens/s of MoD vs dense (`--no-sample` skips).
 """
 
 from __future__ import annotations
@@ -36,16 +50,28 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..config import ModelConfig, RoutingConfig, load_config
-from ..flops import flops_per_token, peak_flops
+from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
-from .convert import calibrate_predictors
+from ..model.routing import MoDLayer
+from ..train.optim import GuardedAdamW, param_groups
 
-TARGET = 1.15
+TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
+SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's step)
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
+TARGET_RUN = (SHAPE, 8, 256)  # the speedup targets are set at nanoGPT's shape, batch 8 x 256
+REFERENCE = "reference"  # dense, reference math and torch's default AdamW: today's step
+_ROUTED = dict(every=2, offset=1)
 VARIANTS = {
     "dense": RoutingConfig(),
-    "mod": RoutingConfig(method="mod", capacity=0.125, every=2, offset=1),
+    "mod": RoutingConfig(method="mod", capacity=0.125, **_ROUTED),
+    "random": RoutingConfig(method="random", capacity=0.125, **_ROUTED),
+    "stride": RoutingConfig(method="stride", capacity=0.125, **_ROUTED),
+    "first_k": RoutingConfig(method="first_k", capacity=0.125, **_ROUTED),
+    "depth_gate": RoutingConfig(method="depth_gate", **_ROUTED),
+    "halting": RoutingConfig(method="halting", **_ROUTED),  # train_forward "soft": every block runs
+    "early_exit": RoutingConfig(method="early_exit", **_ROUTED),
 }
+VARIANT_NAMES = (REFERENCE, *VARIANTS)
 PHASES = ("forward", "backward", "optimizer")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
@@ -107,22 +133,41 @@ class Trainer:
 
 
 def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: int, seed: int = 0,
-                 device: str = "cpu", shape: Optional[ModelConfig] = None) -> Trainer:
+                 device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False) -> Trainer:
+    """A trainer with the training loop's optimizer (GuardedAdamW, decay on matrices); `reference`:
+    the reference math and torch's default AdamW implementation, i.e. the step before issue 19."""
     shape = shape or SHAPE
     torch.manual_seed(seed)
     cuda = torch.device(device).type == "cuda"
     model = build_model(shape, routing, device=device)  # fp32 weights: autocast runs the math in 16 bits
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True if cuda else None)
+    # GuardedAdamW picks torch's fused kernel; foreach=None is torch's default (a loop on CPU)
+    impl = {"foreach": None} if reference else {}
+    optim = GuardedAdamW(param_groups(model.set_fused(not reference), 0.1), lr=1e-4, **impl)
     data = torch.randint(0, shape.vocab_size, (batch, seq_len + 1)).to(device)
     scaler = torch.amp.GradScaler("cuda") if cuda and precision == "fp16" else None
     return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler)
+
+
+def resolve_variants(names: Optional[list[str]], shape: str = "small", configs: Optional[list[str]] = None,
+                     device: str = "cpu") -> dict[str, tuple[ModelConfig, RoutingConfig]]:
+    """name -> (model shape, routing). Small shape: the named VARIANT_NAMES (default all on CPU,
+    dense and mod on CUDA). Otherwise the configs (load_variants), plus any named variants on the
+    dense config's shape."""
+    if shape == "small" and not configs:
+        names = names or (list(VARIANT_NAMES) if device == "cpu" else ["dense", "mod"])
+        return {name: (SHAPE, VARIANTS.get(name, VARIANTS["dense"])) for name in names}
+    loaded = load_variants(shape, configs)
+    if names:
+        base = loaded.get("dense", next(iter(loaded.values())))[0]
+        loaded.update({name: (base, VARIANTS.get(name, VARIANTS["dense"])) for name in names if name not in loaded})
+    return loaded
 
 
 def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> dict[str, tuple[ModelConfig, RoutingConfig]]:
     """name -> (model shape, routing): the built-in small pair, configs/{dense,mod}_<shape>.yaml, or
     explicit config files (named by their `variant`, else their `name`)."""
     if shape == "small" and not configs:
-        return {name: (SHAPE, routing) for name, routing in VARIANTS.items()}
+        return {name: (SHAPE, VARIANTS[name]) for name in ("dense", "mod")}
     paths = configs or [str(CONFIGS / f"dense_{shape}.yaml"), str(CONFIGS / f"mod_{shape}.yaml")]
     out: dict[str, tuple[ModelConfig, RoutingConfig]] = {}
     for path in paths:
@@ -135,34 +180,47 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
 
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
-          variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None) -> dict[str, list[dict[str, float]]]:
-    """Per-step phase times for each variant. CPU: dense and MoD steps interleaved. CUDA: one variant
-    after the other (a GPU is not shared with other load, and two large models need not fit at once)."""
-    variants = variants or {name: (SHAPE, r) for name, r in VARIANTS.items()}
+          variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048
+          ) -> tuple[dict[str, list[dict[str, float]]], list[float]]:
+    """-> (per-step phase times of each variant, matmul FLOP/s samples).
+
+    CPU: one step of every variant per round, rounds repeated, and one timed matmul (the peak, in the
+    step's compute dtype) per timed round, all with `clock`. CUDA: one variant after the other (a GPU is
+    not shared with other load, and two large models need not fit at once); no matmul samples (run_cuda
+    measures the peak)."""
+    variants = variants or {name: (SHAPE, VARIANTS["dense" if name == REFERENCE else name]) for name in VARIANT_NAMES}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     if torch.device(device).type == "cuda":
         for name, (shape, routing) in variants.items():
-            trainer = make_trainer(routing, precision, batch, seq_len, device=device, shape=shape)
+            trainer = make_trainer(routing, precision, batch, seq_len, device=device, shape=shape,
+                                   reference=name == REFERENCE)
             for i in range(warmup + steps):
                 phases = trainer.step()
                 if i >= warmup:
                     times[name].append(phases)
             del trainer
             torch.cuda.empty_cache()
-        return times
-    trainers = {name: make_trainer(r, precision, batch, seq_len, shape=shape) for name, (shape, r) in variants.items()}
+        return times, []
+    trainers = {name: make_trainer(r, precision, batch, seq_len, shape=shape, reference=name == REFERENCE)
+                for name, (shape, r) in variants.items()}
+    dtype = AMP_DTYPES.get(precision, torch.float32)
+    peaks = []
     for i in range(warmup + steps):
         for name, trainer in trainers.items():
             phases = trainer.step(clock)
             if i >= warmup:
                 times[name].append(phases)
-    return times
+        if i >= warmup:
+            peaks.append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock))
+    return times, peaks
 
 
-def profile_mod(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
-                shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None) -> str:
-    """Operator table (self CPU time; self device time on CUDA) of MoD training steps, to see where routing time goes."""
-    trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape)
+def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
+                  shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None,
+                  reference: bool = False) -> str:
+    """Operator table (self CPU time; self device time on CUDA) of training steps, to see where time goes."""
+    trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape,
+                           reference=reference)
     trainer.step()  # warm up allocator and kernels outside the profile
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -173,25 +231,43 @@ def profile_mod(precision: str, batch: int, seq_len: int, steps: int = 3, rows: 
     return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
-def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops_ratio: float) -> str:
+def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
+           peaks: list[float], peak_size: int = 2048, speedup_targets: bool = True) -> str:
+    """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
+    GFLOP/s and MFU (of the median step, against the best measured matmul); then the targets."""
     total = {name: [sum(p.values()) for p in steps] for name, steps in times.items()}
-    n = len(total["dense"])
-    lines = [f"[{precision}] {n} timed steps per variant"]
+    med = {name: statistics.median(t) for name, t in total.items()}
+    peak = max(peaks)
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    lines = [f"[{precision}] {len(next(iter(total.values())))} timed steps per variant, interleaved; measured "
+             f"{dtype} matmul peak ({peak_size}^3, best of {len(peaks)}): {peak / 1e9:.1f} GFLOP/s",
+             f"  {'variant':<11} {'FLOPs/dense':>11} {'step ms':>9} {'(best)':>8} {'step/dense':>10} "
+             f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}   median ms: fwd / bwd / optim"]
+    dense = med.get("dense")
     for name, t in total.items():
-        best, med = min(t), statistics.median(t)
-        phases = ", ".join(f"{ph} {statistics.median(p[ph] for p in times[name]) * 1e3:.0f}" for ph in PHASES)
-        lines.append(f"  {name:<6} best {best * 1e3:7.1f} ms ({tokens / best:5.0f} tokens/s)  median {med * 1e3:7.1f} ms "
-                     f"({tokens / med:5.0f} tokens/s)  [median ms: {phases}]")
-    # Best-of-N is the least disturbed by other load on a shared machine; median for reference.
-    for stat in (min, statistics.median):
-        ratio = stat(total["mod"]) / stat(total["dense"])
-        verdict = "HOLDS" if ratio <= TARGET * flops_ratio else "MISSED"
-        lines.append(f"  {stat.__name__:<6} step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
-                     f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
-    # The optimizer step costs the same for both (same parameters) and is not in the FLOPs.
-    fwd_bwd = {name: statistics.median(p["forward"] + p["backward"] for p in steps) for name, steps in times.items()}
-    ratio = fwd_bwd["mod"] / fwd_bwd["dense"]
-    lines.append(f"  forward+backward only (median): ratio {ratio:.3f} = {ratio / flops_ratio:.2f} x FLOPs ratio")
+        share = flops[name] / flops["dense"]
+        gflops = tokens * flops[name] / med[name] / 1e9
+        rel = f"{med[name] / dense:10.3f} {med[name] / dense / share:7.2f}x" if dense else f"{'':>10} {'':>8}"
+        phases = " / ".join(f"{statistics.median(p[ph] for p in times[name]) * 1e3:.0f}" for ph in PHASES)
+        lines.append(f"  {name:<11} {share:11.3f} {med[name] * 1e3:9.1f} {min(t) * 1e3:8.1f} {rel} "
+                     f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}   {phases}")
+    if dense and REFERENCE in med:
+        target = SPEEDUP_TARGETS.get(precision) if speedup_targets else None
+        for stat in (statistics.median, min):
+            speedup = stat(total[REFERENCE]) / stat(total["dense"])
+            verdict = "" if target is None else f" (target >= {target}) {'HOLDS' if speedup >= target else 'MISSED'}"
+            lines.append(f"  {stat.__name__:<6} dense step vs reference (today's step): {speedup:.3f}x faster{verdict}")
+    if dense and "mod" in med:
+        flops_ratio = flops["mod"] / flops["dense"]
+        for stat in (statistics.median, min):
+            ratio = stat(total["mod"]) / stat(total["dense"])
+            verdict = "HOLDS" if ratio <= TARGET * flops_ratio else "MISSED"
+            lines.append(f"  {stat.__name__:<6} step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
+                         f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
+        # The optimizer step costs the same for both (same parameters) and is not in the FLOPs.
+        fwd_bwd = {name: statistics.median(p["forward"] + p["backward"] for p in times[name]) for name in ("mod", "dense")}
+        ratio = fwd_bwd["mod"] / fwd_bwd["dense"]
+        lines.append(f"  forward+backward only (median): mod/dense {ratio:.3f} = {ratio / flops_ratio:.2f} x FLOPs ratio")
     return "\n".join(lines)
 
 
@@ -207,21 +283,6 @@ def device_peak_tflops(override: Optional[float] = None) -> tuple[Optional[float
         return peak_flops(name) / 1e12, f"datasheet, {name}"
     except ValueError:
         return None, f"unknown device {name!r}: pass --peak-tflops"
-
-
-def measured_matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, iters: int = 20) -> float:
-    """Achieved TFLOP/s of an n x n x n matmul: the practical ceiling MFU is measured against."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[dict[str, float]]],
@@ -244,6 +305,22 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
         lines.append(f"  step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
                      f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
     return "\n".join(lines)
+
+
+@torch.no_grad()
+def calibrate_predictors(model, capacity: float, vocab: int, tokens: int = 512) -> None:
+    """Shifts each MoD causal predictor's output bias so it passes `capacity` of the tokens of a
+    random sequence, as a trained predictor does (random weights pass about half). Layer by layer:
+    a layer's inputs depend on the decisions before it. A model without predictors is left as it is."""
+    x = torch.randint(0, vocab, (1, min(tokens, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(1))
+    for layer in model.layers:
+        if not isinstance(layer, MoDLayer) or layer.predictor is None:
+            continue
+        seen = []
+        handle = layer.predictor.register_forward_hook(lambda m, inp, out: seen.append(out.flatten()))
+        model(x, options=ForwardOptions(mode="causal"))
+        handle.remove()
+        layer.predictor.net[-1].bias -= torch.quantile(seen[0].float(), 1 - capacity)
 
 
 @torch.no_grad()
@@ -291,22 +368,23 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
           f"autocast, fused AdamW")
     for precision in args.precision:
         dtype = AMP_DTYPES.get(precision, torch.float32)
-        matmul = measured_matmul_tflops(dtype)
+        matmul = measure_matmul_flops(dtype, "cuda", n=8192, iters=20) / 1e12
         peak_text = f"{peak:.0f} TFLOP/s ({source})" if peak else source
         print(f"\npeak (dense 16-bit tensor cores): {peak_text}; measured {precision} matmul 8192^3: "
               f"{matmul:.0f} TFLOP/s" + (f" ({matmul / peak:.0%} of peak)" if peak else ""))
         for batch in args.batch:
             flops = {name: flops_per_token(shape, r, args.seq_len) for name, (shape, r) in variants.items()}
             try:
-                times = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda", variants=variants)
+                times, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
+                                 variants=variants)
             except torch.cuda.OutOfMemoryError:
                 print(f"[{precision}] micro-batch {batch} x {args.seq_len}: out of memory")
                 torch.cuda.empty_cache()
                 continue
             print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
             if args.profile and "mod" in variants:
-                print(profile_mod(precision, batch, args.seq_len, device="cuda", shape=variants["mod"][0],
-                                  routing=variants["mod"][1]))
+                print(profile_steps(precision, batch, args.seq_len, device="cuda", shape=variants["mod"][0],
+                                    routing=variants["mod"][1]))
     if args.sample:
         dtype = AMP_DTYPES.get(args.precision[0], torch.float32)
         print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
@@ -335,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(157m: the CUDA default)")
     parser.add_argument("--config", nargs="+", default=None, metavar="YAML",
                         help="explicit configs to compare (model + routing sections; named by `variant`)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, default=None,
+                        help="which variants to time (default: all on CPU; the configs' dense and mod on CUDA)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     parser.add_argument("--batch", type=int, nargs="+", default=None,
                         help="micro-batch size(s) (default: 8 on CPU, 8 and 16 on CUDA)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 1024 on CUDA")
@@ -348,16 +428,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU only. wall: elapsed time; thread: CPU time of this thread, immune to other load on "
                              "a shared machine (needs --threads 1: with one intra-op thread all work runs here)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="CUDA: the device's peak for MFU")
+    parser.add_argument("--peak-size", type=int, default=2048,
+                        help="CPU: n of the n x n x n matmul timed once per round as the measured peak")
     parser.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
                         help="CUDA: also time greedy KV-cache sampling of each variant (default on CUDA)")
     parser.add_argument("--sample-batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--profile", action="store_true", help="also print a torch.profiler table of MoD steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler tables (CPU: of each variant's steps; CUDA: of MoD's)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("need --steps >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.peak_size < 1:
+        parser.error("need --steps >= 1, --warmup >= 0 and --peak-size >= 1")
     if args.clock == "thread" and (args.threads != 1 or cuda):
         parser.error("--clock thread needs --threads 1 (and the CPU device)")
     if cuda and not torch.cuda.is_available():
@@ -373,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--precision fp16 is for CUDA (CPU autocast runs bf16)")
         args.precision = args.precision or ["fp32", "bf16"]
         args.batch, args.seq_len = args.batch or [8], args.seq_len or 256
-    variants = load_variants(args.shape or ("157m" if cuda else "small"), args.config)
+    if args.variants and "dense" not in args.variants:
+        parser.error("--variants must include dense (ratios are to dense)")
+    variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
     for name, (shape, _) in variants.items():
         if args.seq_len > shape.max_seq_len:
             parser.error(f"--seq-len {args.seq_len} exceeds {name}'s model.max_seq_len={shape.max_seq_len}")
@@ -383,24 +468,27 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    if set(variants) != {"dense", "mod"}:
-        parser.error(f"the CPU comparison needs one dense and one mod variant, got {sorted(variants)}")
+    if "dense" not in variants:
+        parser.error(f"the CPU comparison needs a dense variant, got {sorted(variants)}")
     shape = variants["dense"][0]
     flops = {name: flops_per_token(s, r, args.seq_len) for name, (s, r) in variants.items()}
-    flops_ratio = flops["mod"] / flops["dense"]
-    mod = variants["mod"][1]
     for batch in args.batch:
         tokens = batch * args.seq_len
         print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
-              f"batch {batch} x seq {args.seq_len}; MoD capacity {mod.capacity} every {mod.every}; "
+              f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
-        print(f"analytic train FLOPs/token: dense {flops['dense'] / 1e6:.1f} M, mod {flops['mod'] / 1e6:.1f} M, "
-              f"ratio {flops_ratio:.3f}")
+        print("analytic train FLOPs/token: " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
+        if "mod" in flops:
+            print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
         for precision in args.precision:
-            times = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock, variants=variants)
-            print("\n" + report(precision, times, tokens, flops_ratio))
+            times, peaks = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock, variants=variants,
+                                 peak_size=args.peak_size)
+            at_target = (shape, batch, args.seq_len) == TARGET_RUN
+            print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target), flush=True)
             if args.profile:
-                print(profile_mod(precision, batch, args.seq_len, shape=variants["mod"][0], routing=mod))
+                for name, (s, r) in variants.items():
+                    print(f"\n[{precision}] profile of {name} steps (wall time per op)")
+                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, reference=name == REFERENCE))
     return 0
 
 

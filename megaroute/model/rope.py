@@ -42,10 +42,61 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, Dh]; rotates interleaved-free halves (GPT-NeoX / Llama layout)."""
+    """x [B, H, T, Dh]; rotates interleaved-free halves (GPT-NeoX / Llama layout).
+
+    The reference math (in float32, whatever x's dtype); `split_qkv_rotary` is the fused path.
+    """
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
+
+
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out = rotary(x), written half by half (no temporaries); out and x are [B, T, H, Dh] views."""
+    h = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+
+
+class _SplitQKVRotary(torch.autograd.Function):
+    """qkv [B, T, 3, H, Dh] -> rotated q, rotated k, v, each [B, H, T, Dh] contiguous, in qkv's dtype.
+
+    One read of qkv and one write of q, k, v; backward rotates the gradients back (rotation by -angle,
+    the transpose) straight into one gradient tensor, instead of autograd's chunk/cat/select buffers.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):
+        B, T, _, H, Dh = qkv.shape
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # [B, T, 1, Dh/2]: broadcasts over heads
+        q, k, v = (torch.empty(B, H, T, Dh, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        _rotate_into(q.transpose(1, 2), qkv[:, :, 0], cos, sin)
+        _rotate_into(k.transpose(1, 2), qkv[:, :, 1], cos, sin)
+        v.transpose(1, 2).copy_(qkv[:, :, 2])
+        ctx.save_for_backward(cos, sin)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        B, H, T, Dh = dv.shape
+        grad = torch.empty(B, T, 3, H, Dh, dtype=dv.dtype, device=dv.device)
+        neg_sin = -sin
+        _rotate_into(grad[:, :, 0], dq.transpose(1, 2), cos, neg_sin)
+        _rotate_into(grad[:, :, 1], dk.transpose(1, 2), cos, neg_sin)
+        grad[:, :, 2].copy_(dv.transpose(1, 2))
+        return grad, None, None
+
+
+def split_qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused `apply_rotary` for a qkv projection [B, T, 3, H, Dh] and tables [B, 1, T, Dh/2]
+    (as Positions holds them): -> q, k (rotated) and v, each [B, H, T, Dh], computed in qkv's dtype
+    (bf16 under autocast, as HF Llama does; the reference rotates in float32)."""
+    return _SplitQKVRotary.apply(qkv, cos.transpose(1, 2), sin.transpose(1, 2))
 
 
 class Positions:

@@ -5,6 +5,11 @@ by heads and SwiGLU by hidden units; the hidden state between blocks stays repli
 layers (replicated routers and gates) decide identically on every TP rank. `ModelOutput.logits`
 is then this rank's vocabulary slice [B, T, V/tp]; `Transformer.gather_logits` assembles the full
 vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
+
+`fused` (default True; `set_fused(False)` switches the whole model to the reference math, kept for
+tests/unit/model/test_fused.py and the benchmark's "reference" row): fused RoPE and CPU bf16
+attention (attention.py) and, on CPU without TP, the LM loss computed a chunk of rows at a time
+(`chunked_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 
 from ..config import ModelConfig, RoutingConfig
 from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParallelEmbedding, gather_from_tp,
-                        vocab_parallel_cross_entropy)
+                        tp_size, vocab_parallel_cross_entropy)
 from ..parallel.mappings import Group
 from .cache import KVCache
 from .norm import RMSNorm
@@ -27,6 +32,60 @@ from .rope import Positions, RotaryEmbedding
 from .routing import DenseLayer, RoutingContext, build_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
+CE_CHUNK_ELEMENTS = 2**21  # logits per chunk: 8 MB in float32, so each chunk's temporaries stay in cache
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy [N] (float32) of logits [N, V] in any float dtype.
+
+    Same math as F.cross_entropy(logits.float(), reduction="none"), but rows are processed in
+    chunks: no float32 copy, log-softmax or one-hot gradient buffer of the whole [N, V] (each a fresh
+    page-faulted allocation per step on CPU); backward writes softmax - onehot once, in the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        rows = max(1, CE_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        valid = targets != IGNORE_INDEX
+        safe = targets.masked_fill(~valid, 0)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        buf = torch.empty(min(rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], rows):
+            chunk = logits[s:s + rows]
+            b = buf[:chunk.shape[0]]
+            peak = chunk.amax(dim=-1, keepdim=True).float()
+            torch.sub(chunk, peak, out=b).exp_()  # one float32 buffer reused by every chunk
+            torch.sum(b, dim=-1, out=lse[s:s + rows]).log_().add_(peak.squeeze(1))
+        target_logit = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.rows = rows
+        return (lse - target_logit).masked_fill_(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, safe, valid, lse = ctx.saved_tensors
+        g = grad.float().masked_fill(~valid, 0.0).unsqueeze(1)
+        out = torch.empty_like(logits)
+        # float32 logits: computed in place in the gradient; others: in one reused float32 buffer
+        buf = None if logits.dtype == torch.float32 else torch.empty(
+            min(ctx.rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], ctx.rows):
+            e = s + ctx.rows
+            p = out[s:e] if buf is None else buf[:out[s:e].shape[0]]
+            torch.sub(logits[s:e], lse[s:e].unsqueeze(1), out=p).exp_().mul_(g[s:e])  # softmax * grad
+            p.scatter_add_(1, safe[s:e].unsqueeze(1), -g[s:e])
+            if buf is not None:
+                out[s:e].copy_(p)
+        return out, None
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [..., V] against targets [...] (IGNORE_INDEX excluded), as
+    F.cross_entropy(logits.float()) computes it; see _ChunkedCrossEntropy."""
+    flat = targets.reshape(-1)
+    loss = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), flat)
+    return loss.sum() / (flat != IGNORE_INDEX).sum()
 
 
 @dataclass
@@ -86,7 +145,15 @@ class Transformer(nn.Module):
         self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, group=tp_group)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight  # both split by vocabulary rows, so the slices match
+        self.fused = True
         self.reset_parameters()
+
+    def set_fused(self, fused: bool) -> "Transformer":
+        """True (default): the fused kernels; False: the reference math (see the module docstring)."""
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = fused
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -151,7 +218,10 @@ class Transformer(nn.Module):
         out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats, decisions=ctx.decisions,
                           executed=ctx.executed)
         if targets is not None:
-            out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+            if self.fused and logits.device.type == "cpu" and tp_size(self.tp_group) == 1:
+                out.lm_loss = chunked_cross_entropy(logits, targets)
+            else:
+                out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out

@@ -4,7 +4,9 @@ Choosing tokens (capacity_k, topk_indices, mask_indices) is plain PyTorch here. 
 done by a `Dispatcher`, which each routed layer builds from `routing.dispatch` and which runs
 either the pure-PyTorch reference (megaroute.kernels.reference, the semantics) or the fused
 Triton kernels. All ops are batched (no per-sample Python loops) and keep the causal order of
-the selected tokens.
+the selected tokens. Ragged selections (mask_indices' padded batch) are executed without padding
+the token-wise work by ragged.py (execute.update_masked / update_selected); this padded layout
+remains the KV-cache path and the reference those are tested against.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
 
 Tokens keep their original positions (RoPE and the causal mask in index order), the residual is
 added exactly once, and padded rows of a ragged selection (valid = False) contribute nothing.
+
+Ragged selections (a mask, or idx with `valid`) run without padding (ragged.py: the selected
+tokens of the whole batch as one flat set, attention per sequence), so their cost follows the
+tokens that run, not B x the largest count. Fixed-k selections (valid None) and incremental
+decoding (a KV cache, whose appends are per padded row) take the padded path, `update_padded`.
 """
 
 from __future__ import annotations
@@ -14,14 +19,14 @@ import torch
 
 from ..block import TransformerBlock
 from ..rope import Positions
-from . import dispatch
+from . import dispatch, ragged
 from .dispatch import Dispatcher
 
 
-def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
-                    weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
-                    dispatcher: Dispatcher) -> torch.Tensor:
-    """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
+def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
+                  weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
+                  dispatcher: Dispatcher) -> torch.Tensor:
+    """update_selected through the gather/combine dispatcher, every row padded to k."""
     # k = 0 still runs the block (on no tokens, at no cost): a module skipped on one data-parallel
     # rank only would leave ZeRO-3's parameter all-gathers out of step and hang the others.
     delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
@@ -34,10 +39,23 @@ def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, id
     return dispatcher.combine(x, idx, weight, delta)
 
 
+def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
+                    weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
+                    dispatcher: Dispatcher) -> torch.Tensor:
+    """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
+    if valid is None or pos.kv is not None:
+        return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
+    rows, counts = ragged.index_rows(idx, valid, x.shape[1])
+    return ragged.update_rows(block, x, pos, rows, counts, None if weight is None else weight[valid])
+
+
 def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask: torch.Tensor,
                   weight: Optional[torch.Tensor] = None, *, dispatcher: Dispatcher) -> torch.Tensor:
     """Ragged selection: runs the block for tokens where mask [B, T] is True; weight is [B, T] or None."""
-    idx, valid = dispatch.mask_indices(mask)
-    if weight is not None:
-        weight = weight.gather(1, idx)
-    return update_selected(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
+    if pos.kv is not None:
+        idx, valid = dispatch.mask_indices(mask)
+        weight = None if weight is None else weight.gather(1, idx)
+        return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
+    rows, counts = ragged.mask_rows(mask)
+    return ragged.update_rows(block, x, pos, rows, counts,
+                              None if weight is None else weight.reshape(-1).index_select(0, rows))

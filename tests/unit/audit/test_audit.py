@@ -11,6 +11,8 @@ from megaroute.audit import analysis
 from megaroute.audit.report import audit_model, write_report
 from megaroute.model import ForwardOptions
 
+from ..model.routing.routing_checks import record_updates
+
 
 def _mask(B=3, T=16, p=0.3, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -83,19 +85,16 @@ def test_decision_hooks_record_and_override_every_auditable_layer(make_model, ro
         assert torch.equal(out.decisions[k], ~learned[k])  # the inverted mask selects exactly the complement
 
 
-def test_inverted_mask_runs_exactly_the_complement_through_the_block(make_model):
+def test_inverted_mask_runs_exactly_the_complement_through_the_block(make_model, monkeypatch):
     model, cfg = make_model("routing.method=mod")
     model.eval()
-    layer = model.layers[1]
-    seen = []
-    orig = layer.block.update
-    layer.block.update = lambda x, pos: (seen.append(pos.positions.clone()), orig(x, pos))[1]
+    calls = record_updates(monkeypatch, model)  # block.update and the ragged path
     x = torch.randint(0, cfg.model.vocab_size, (1, 16))
     with torch.no_grad():
         learned = model(x, options=ForwardOptions(record_decisions=True)).decisions["layer_1"]
-        seen.clear()
+        calls.clear()
         model(x, options=ForwardOptions(masks={"layer_1": ~learned}))
-    assert sorted(seen[0][0].tolist()) == (~learned[0]).nonzero().flatten().tolist()
+    assert sorted(calls[1][0][0].tolist()) == (~learned[0]).nonzero().flatten().tolist()
 
 
 def test_audit_model_report_on_a_tiny_model(make_model, tmp_path):

@@ -1,11 +1,13 @@
 """Smoke test: the step benchmark runs and reports its ratios (timings are not asserted)."""
 
+import time
+
 import pytest
 import torch
 
 from megaroute.bench import step
 from megaroute.config import ModelConfig
-from megaroute.flops import flops_per_token
+from megaroute.flops import flops_per_token, measure_matmul_flops
 
 
 @pytest.fixture
@@ -18,13 +20,52 @@ def small_shape(monkeypatch):
 
 
 def test_step_benchmark_runs_and_reports(capsys, small_shape):
-    assert step.main(["--steps", "2", "--warmup", "1", "--batch", "2", "--seq-len", "32",
-                      "--precision", "fp32", "bf16", "--threads", "1", "--clock", "thread"]) == 0
+    names = ["reference", "dense", "mod", "early_exit"]
+    assert step.main(["--variants", *names, "--steps", "2", "--warmup", "1", "--batch", "2", "--seq-len", "32",
+                      "--precision", "fp32", "bf16", "--threads", "1", "--clock", "thread", "--peak-size", "128"]) == 0
     out = capsys.readouterr().out
     ratio = flops_per_token(small_shape, step.VARIANTS["mod"], 32) / flops_per_token(small_shape, step.VARIANTS["dense"], 32)
-    assert f"ratio {ratio:.3f}" in out
-    assert out.count("step-time ratio mod/dense") == 4  # best and median, for fp32 and bf16
-    assert "[fp32]" in out and "[bf16]" in out and "tokens/s" in out
+    assert f"MoD FLOPs ratio {ratio:.3f}" in out
+    assert out.count("step-time ratio mod/dense") == 4  # median and best, for fp32 and bf16
+    assert out.count("dense step vs reference (today's step)") == 4
+    assert "(target >=" not in out  # the speedup targets are for nanoGPT's shape only
+    assert "[fp32]" in out and "[bf16]" in out and "fp32 matmul peak (128^3" in out and "bf16 matmul peak" in out
+    for name in names:  # every variant has a row in both tables
+        assert out.count(f"\n  {name:<11} ") == 2, name
+    assert "\n  halting " not in out
+
+
+def test_default_variants_are_every_method():
+    variants = step.resolve_variants(None)
+    assert list(variants) == list(step.VARIANT_NAMES)
+    assert {r.method for _, r in variants.values()} == {"none", "mod", "random", "stride", "first_k", "depth_gate",
+                                                         "halting", "early_exit"}
+    assert list(step.resolve_variants(None, device="cuda")) == ["dense", "mod"]
+
+
+def test_report_figures_mean_their_labels():
+    steps = {"reference": [{"forward": 0.5, "backward": 1.0, "optimizer": 0.1}] * 3,
+             "dense": [{"forward": 0.4, "backward": 0.8, "optimizer": 0.0}] * 3,
+             "mod": [{"forward": 0.3, "backward": 0.6, "optimizer": 0.0}] * 3}
+    flops = {"reference": 1e6, "dense": 1e6, "mod": 0.7e6}
+    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[2e9, 4e9])
+    assert "fp32 matmul peak (2048^3, best of 2): 4.0 GFLOP/s" in out
+    # dense: 1000 tokens x 1 MFLOP in 1.2 s = 0.83 GFLOP/s = 20.8% of 4 GFLOP/s
+    assert "  dense             1.000    1200.0   1200.0      1.000    1.00x      833      0.8  20.8%" in out
+    # mod: 0.9 s / 1.2 s = 0.75 of dense's time for 0.7 of its FLOPs: 1.07x
+    assert "  mod               0.700     900.0    900.0      0.750    1.07x" in out
+    assert "median dense step vs reference (today's step): 1.333x faster (target >= 1.3) HOLDS" in out
+    assert "1.07 x (target <= 1.05) MISSED" in out
+    assert "target >=" not in step.report("bf16", steps, 1000, flops, [4e9], speedup_targets=False)
+
+
+def test_step_benchmark_variant_selection(capsys, small_shape):
+    assert step.main(["--variants", "dense", "halting", "--steps", "1", "--warmup", "0", "--batch", "1",
+                      "--seq-len", "16", "--precision", "fp32", "--threads", "1", "--peak-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "\n  halting " in out and "\n  mod " not in out and "vs reference" not in out
+    with pytest.raises(SystemExit):
+        step.main(["--variants", "mod"])  # ratios need dense
 
 
 def test_thread_clock_needs_one_thread(small_shape):
@@ -38,6 +79,19 @@ def test_trainer_step_updates_parameters(small_shape):
     phases = trainer.step()
     assert set(phases) == set(step.PHASES) and all(t >= 0 for t in phases.values())
     assert not trainer.model.layers[1].router.weight.detach().equal(before)
+    assert trainer.model.fused and trainer.optim.defaults["fused"]
+
+
+def test_reference_trainer_is_todays_step(small_shape):
+    trainer = step.make_trainer(step.VARIANTS["dense"], "fp32", batch=2, seq_len=16, reference=True)
+    assert not trainer.model.fused and not trainer.model.layers[0].block.attn.fused
+    assert not trainer.optim.defaults["fused"]  # torch's default AdamW implementation
+    trainer.step()
+
+
+def test_measured_matmul_peak_is_positive():
+    assert measure_matmul_flops(torch.float32, n=64, iters=2) > 0
+    assert measure_matmul_flops(torch.bfloat16, n=64, iters=1, clock=time.thread_time) > 0
 
 
 def test_parallel_benchmark_communication_estimate():

@@ -7,6 +7,8 @@ import collections
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megaroute.model.routing import ragged
+
 
 def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -14,10 +16,13 @@ def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
 
 
 def record_updates(monkeypatch, model) -> dict[int, list[torch.Tensor]]:
-    """Wraps every block's `update`: layer index -> the position tensors [B, rows] it was called with.
+    """Wraps every block's `update` and the ragged path: layer index -> the position tensors
+    [B, rows] it was called with (ragged: each sequence's selected positions, padded with -1).
 
-    Every routed path and DenseLayer go through block.update, so these are the rows computed."""
+    Every routed path and DenseLayer go through block.update or ragged.update_rows, so these are
+    the rows computed."""
     calls: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    index = {id(layer.block): i for i, layer in enumerate(model.layers)}
     for i, layer in enumerate(model.layers):
         original = layer.block.update
 
@@ -26,11 +31,21 @@ def record_updates(monkeypatch, model) -> dict[int, list[torch.Tensor]]:
             return original(x, pos)
 
         monkeypatch.setattr(layer.block, "update", update)
+    update_rows = ragged.update_rows
+
+    def recorded_rows(block, x, pos, rows, counts, weight=None):
+        picked = pos.positions.reshape(-1)[rows].split(counts.tolist())
+        calls[index[id(block)]].append(torch.nn.utils.rnn.pad_sequence(list(picked), batch_first=True,
+                                                                       padding_value=-1))
+        return update_rows(block, x, pos, rows, counts, weight)
+
+    monkeypatch.setattr(ragged, "update_rows", recorded_rows)
     return calls
 
 
 def rows(calls: dict[int, list[torch.Tensor]], i: int) -> int:
-    return sum(p.numel() for p in calls.get(i, []))
+    """Rows layer i computed (the ragged path's -1 fill is no row)."""
+    return sum(int((p >= 0).sum()) for p in calls.get(i, []))
 
 
 def assert_causal(run, tokens: torch.Tensor, vocab: int, ts=(0, 3, 8, 14)) -> None:

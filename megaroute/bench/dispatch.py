@@ -1,0 +1,133 @@
+"""Routed savings on the clock: a hard-halting forward vs a dense forward at the same shape.
+
+    python -m megaroute.bench.dispatch [--shapes nanogpt,char] [--fracs 1.0,0.8,0.5] [--repeats 15]
+
+Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
+with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
+fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
+the batch, "spread" masks give the sequences different fractions around f (see random_masks).
+The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
+torch thread, this thread's CPU time, dense and hard interleaved in one process), their ratio,
+and the FLOPs ratio of the two forwards (FlopCounterMode; the gates, the embedding and the LM head
+run on every token). Target (issue 19): ratio <= 0.88 at f = 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..config import load_config
+from ..model import ForwardOptions, build_model
+
+SHAPES = {
+    # nanoGPT's comparison shape (issue 19): 6 layers, d 384, 6 heads, T 256, batch 8, vocab 8192
+    "nanogpt": (8, ["model.d_model=384", "model.n_layers=6", "model.n_heads=6", "data.seq_len=256",
+                    "model.max_seq_len=256", "model.vocab_size=8192", "data.tokenizer.vocab_size=8192"]),
+    # the char experiments (configs/experiments/char_dense.yaml): 6 layers, d 128, T 128, batch 16
+    "char": (16, ["model.d_model=128", "model.n_layers=6", "model.n_heads=4", "data.seq_len=128",
+                  "model.max_seq_len=128", "model.vocab_size=128", "data.tokenizer.vocab_size=128"]),
+}
+TARGET = 0.88
+
+
+def random_masks(n_layers: int, B: int, T: int, frac: float, generator: torch.Generator,
+                 spread: bool = False) -> dict[str, torch.Tensor]:
+    """Per layer, a random [B, T] mask executing `frac` of the tokens. Even: exactly round(frac * B * T)
+    True entries anywhere in the batch (row counts differ by chance only). Spread: row r executes
+    round(f_r * T) random tokens, f_r evenly spaced over [2 frac - 1, 1] (or [0, 2 frac] below 0.5),
+    mean frac: sequences that need more or less depth, as content-dependent gates give."""
+    if spread:
+        lo, hi = (2 * frac - 1, 1.0) if frac >= 0.5 else (0.0, 2 * frac)
+        counts = [round(f * T) for f in torch.linspace(lo, hi, B).tolist()]
+    masks = {}
+    for i in range(n_layers):
+        if spread:
+            rows = [torch.zeros(T, dtype=torch.bool).index_fill_(0, torch.randperm(T, generator=generator)[:c], True)
+                    for c in counts]
+            masks[f"layer_{i}"] = torch.stack(rows)
+        else:
+            mask = torch.zeros(B * T, dtype=torch.bool)
+            mask[torch.randperm(B * T, generator=generator)[: round(frac * B * T)]] = True
+            masks[f"layer_{i}"] = mask.view(B, T)
+    return masks
+
+
+def _cpu_time(fn) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@torch.no_grad()
+def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -> list[dict]:
+    B, overrides = SHAPES[shape]
+    base = load_config(None, overrides)
+    halting = load_config(None, [*overrides, "routing.method=halting", "routing.every=1",
+                                                "routing.offset=0"])
+    torch.manual_seed(0)
+    dense_model = build_model(base.model, base.routing).eval()
+    hard_model = build_model(halting.model, halting.routing).eval()
+    T, V = base.data.seq_len, base.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    cases = [(f, spread) for f in fracs for spread in (False, True) if not (spread and f in (0.0, 1.0))]  # same masks
+    masks = {c: random_masks(base.model.n_layers, B, T, c[0], g, spread=c[1]) for c in cases}
+
+    def dense():
+        dense_model(tokens)
+
+    runs = {c: (lambda m=masks[c]: hard_model(tokens, options=ForwardOptions(mode="hard", masks=m))) for c in cases}
+    for _ in range(warmup):
+        dense()
+        for fn in runs.values():
+            fn()
+    times: dict = {"dense": [], **{c: [] for c in cases}}
+    for _ in range(repeats):  # interleaved: machine load drifts over all variants alike
+        times["dense"].append(_cpu_time(dense))
+        for c, fn in runs.items():
+            times[c].append(_cpu_time(fn))
+    dense_s, dense_flops = statistics.median(times["dense"]), _flops(dense)
+    return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
+             "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
+             "ratio": statistics.median(times[c]) / dense_s, "flops_ratio": _flops(runs[c]) / dense_flops}
+            for c in cases]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="nanogpt,char")
+    p.add_argument("--fracs", default="1.0,0.8,0.5")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            p.error(f"--shapes: unknown shape {s!r} (choose from {', '.join(SHAPES)})")
+    fracs = [float(f) for f in args.fracs.split(",")]
+    if not all(0.0 <= f <= 1.0 for f in fracs):
+        p.error(f"--fracs: fractions must lie in [0, 1], got {args.fracs}")
+    torch.set_num_threads(1)
+    print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
+          f"{'FLOPs ratio':>11}")
+    for s in shapes:
+        for r in bench_shape(s, fracs, args.repeats):
+            verdict = "" if r["frac"] != 0.8 else ("  OK" if r["ratio"] <= TARGET else f"  ABOVE {TARGET} TARGET")
+            print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
+                  f"{r['hard_s'] * 1e3:>8.1f}ms "
+                  f"{r['ratio']:>10.3f} {r['flops_ratio']:>11.3f}{verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
