@@ -1,7 +1,9 @@
 """Triton-backed dispatch ops: input checks + autograd.Function wrappers around triton_kernels.
 
 Same signatures and semantics as reference.py. Inputs may be strided over B and T (no copies);
-index tensors must be int64. Backward passes are fused kernels too: combine's grad_x is grad_out
+index tensors must be int64. The E-group ops (permute_groups / unpermute_groups, Mixture-of-Experts)
+take contiguous flat rows; a token in several groups is summed over a per-token inverse map (no atomics,
+so the result does not depend on thread order). Backward passes are fused kernels too: combine's grad_x is grad_out
 itself (the residual), and grad_delta / grad_g come out of one pass over the selected rows.
 """
 
@@ -152,3 +154,79 @@ def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torc
                          f"got {y_full.shape[0]} + {y_cheap.shape[0]}")
     _check_device(h=h, slot=slot, w=w, y_full=y_full, y_cheap=y_cheap)
     return _Unpermute.apply(h, slot, w, y_full, y_cheap)
+
+
+# ----------------------------------------------------------------------------- E groups (MoE)
+
+
+def _token_rows(src: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Inverse of a grouped permutation: pos [N, kmax], the buffer rows holding each token
+    (ascending), -1 where a token has fewer. Reading kmax synchronizes with the device."""
+    counts = torch.bincount(src, minlength=n_tokens)
+    kmax = int(counts.max()) if src.numel() else 0
+    order = torch.argsort(src, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(src.numel(), device=src.device) - starts.repeat_interleave(counts)
+    pos = torch.full((n_tokens, kmax), -1, dtype=torch.int64, device=src.device)
+    pos[src[order], rank] = order
+    return pos
+
+
+def _gather_flat(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    return tk.gather(x.unsqueeze(0), src.unsqueeze(0)).squeeze(0)
+
+
+class _PermuteGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src):
+        ctx.save_for_backward(src)
+        ctx.n_tokens = x.shape[0]
+        return _gather_flat(x, src)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (src,) = ctx.saved_tensors
+        pos = _token_rows(src, ctx.n_tokens)
+        return tk.gather_sum(None, pos, None, grad_out.contiguous(), ctx.n_tokens, grad_out), None
+
+
+class _UnpermuteGroups(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, src, w, y):
+        ctx.save_for_backward(src, w, y)
+        return tk.gather_sum(h, _token_rows(src, h.shape[0]), w, y, h.shape[0], h)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        src, w, y = ctx.saved_tensors
+        rows = _gather_flat(grad_out.contiguous(), src).float()  # each assignment's token gradient
+        grad_y = (w.float().unsqueeze(-1) * rows).to(y.dtype)
+        grad_w = (rows * y.float()).sum(-1).to(w.dtype) if ctx.needs_input_grad[2] else None
+        return grad_out, None, grad_w, grad_y
+
+
+def _check_groups(src: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    if src.dtype != torch.int64 or src.dim() != 1:
+        raise TypeError(f"src must be a 1-D int64 tensor, got {src.dtype} of shape {tuple(src.shape)}")
+    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= n_tokens):
+        raise ValueError(f"src holds token rows outside [0, {n_tokens})")
+    return src.contiguous()
+
+
+def permute_groups(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    _check_float("x", x, 2)
+    src = _check_groups(src, x.shape[0])
+    _check_device(x=x, src=src)
+    return _PermuteGroups.apply(x.contiguous(), src)
+
+
+def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    _check_float("h", h, 2)
+    _check_float("w", w, 1)
+    _check_float("y", y, 2)
+    src = _check_groups(src, h.shape[0])
+    if w.shape[0] != src.shape[0] or y.shape != (src.shape[0], h.shape[1]):
+        raise ValueError(f"w and y must have {src.shape[0]} rows (y with {h.shape[1]} features), "
+                         f"got {tuple(w.shape)} and {tuple(y.shape)}")
+    _check_device(h=h, src=src, w=w, y=y)
+    return _UnpermuteGroups.apply(h.contiguous(), src, w.contiguous(), y.contiguous())

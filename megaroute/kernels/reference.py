@@ -10,6 +10,16 @@ mask_indices produce such rows); g [B, k] per-token weights; delta [B, k, D] upd
     permute(x, slot)                 -> xs [B*T, D] with xs[slot[b, t]] = x[b, t]
     unpermute(h, slot, w, yf, yc)    -> h + w[..., None] * cat(yf, yc)[slot]
 
+The same permutation for E groups (Mixture-of-Experts dispatch), on flat token rows; a token may sit
+in several groups (top-k > 1), so the buffer holds M assignment rows, not N tokens:
+
+    group_rows(sel)                  -> src [M], counts [E]: sel [N, E] bool; the buffer's rows grouped
+                                        by expert in expert order, tokens in order within a group
+    permute_groups(x, src)           -> x[src]                                    [M, D]
+    unpermute_groups(h, src, w, y)   -> out = h;  out[src[m]] += w[m] * y[m]      [N, D]
+
+path_slots/permute/unpermute are the E = 2, one-group-per-token case (tests/unit/kernels).
+
 Updates are computed in float32 (float64 if an input is float64) and rounded once to x's dtype;
 rows that receive no update are x bit for bit. Everything here is differentiable by autograd (gradcheck runs on it in float64).
 """
@@ -63,3 +73,19 @@ def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torc
     y = torch.cat([y_full, y_cheap]).index_select(0, slot.reshape(-1)).view_as(h)
     acc = _acc(h, w, y)
     return (h.to(acc) + w.to(acc).unsqueeze(-1) * y.to(acc)).to(h.dtype)
+
+
+def group_rows(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sel [N, E] bool (token n goes to expert e) -> (src [M] int64, counts [E] int64)."""
+    expert_token = sel.t().nonzero()  # row-major over [E, N]: grouped by expert, tokens ascending
+    return expert_token[:, 1], torch.bincount(expert_token[:, 0], minlength=sel.shape[1])
+
+
+def permute_groups(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, src)
+
+
+def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    acc = _acc(h, w, y)
+    update = w.to(acc).unsqueeze(-1) * y.to(acc)
+    return h.to(acc).index_add(0, src, update).to(h.dtype)

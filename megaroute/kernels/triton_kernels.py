@@ -250,3 +250,42 @@ def unpermute_bwd(grad_out, slot, w, y_full, y_cheap, need_grad_w: bool):
                                         *grad_out.stride(), *w.stride(), *yf.stride(), *yc.stride(),
                                         GRAD_W=need_grad_w, BLOCK_D=bd, num_warps=_warps(bd))
     return grad_yf, grad_yc, (grad_w.to(w.dtype) if need_grad_w else None)
+
+
+# ----------------------------------------------------------------------------- E groups (MoE)
+
+
+@triton.jit
+def _gather_sum_kernel(base_ptr, pos_ptr, w_ptr, y_ptr, out_ptr, KMAX, D,
+                       HAS_BASE: tl.constexpr, HAS_W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token n: out[n] = base[n] + sum_j w[pos[n, j]] * y[pos[n, j]] over pos >= 0, in float32."""
+    n = tl.program_id(0).to(tl.int64)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = d < D
+        if HAS_BASE:
+            acc = tl.load(base_ptr + n * D + d, mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in range(KMAX):
+            p = tl.load(pos_ptr + n * KMAX + j)
+            # Padding (-1) reads row 0 (kmax > 0 means rows exist) and discards it (where, not * 0: inf).
+            live = p >= 0
+            p = tl.maximum(p, 0)
+            row = tl.load(y_ptr + p * D + d, mask=m, other=0.0).to(tl.float32)
+            if HAS_W:
+                row = row * tl.load(w_ptr + p).to(tl.float32)
+            acc += tl.where(live, row, 0.0)
+        tl.store(out_ptr + n * D + d, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gather_sum(base, pos, w, y, n_tokens: int, like: torch.Tensor) -> torch.Tensor:
+    """out[n] = base[n] + sum_j w[pos[n, j]] * y[pos[n, j]] (MoE combine; `pos` from ops._token_rows)."""
+    D = like.shape[1]
+    out = torch.empty(n_tokens, D, dtype=like.dtype, device=like.device)
+    if out.numel():
+        bd = _block_d(D)
+        _gather_sum_kernel[(n_tokens,)](base if base is not None else out, pos, w if w is not None else out,
+                                        y, out, pos.shape[1], D, HAS_BASE=base is not None, HAS_W=w is not None,
+                                        BLOCK_D=bd, num_warps=_warps(bd))
+    return out

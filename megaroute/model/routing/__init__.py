@@ -21,6 +21,7 @@ from .depth_gate import DEPTH_GATE, DepthGateLayer
 from .early_exit import EARLY_EXIT, EarlyExitLayer
 from .halting import HALTING, HaltingLayer
 from .mod import MOD, MoDLayer
+from .moe import MODE_INTEGRATED, MODE_STAGED, MOE, IntegratedMoDELayer, MoELayer, StagedMoDELayer
 from .spec import (METHODS, AuditModes, LayerFlops, MethodSpec, block_flops, capacity_tokens, controller_modules,
                    method_spec, register_method, unregister_method)
 
@@ -33,6 +34,9 @@ register_method(FIRST_K)
 register_method(DEPTH_GATE)
 register_method(HALTING)
 register_method(EARLY_EXIT)
+register_method(MOE)
+register_method(MODE_STAGED)
+register_method(MODE_INTEGRATED)
 
 
 def build_layer(index: int, model_cfg: ModelConfig, routing_cfg: RoutingConfig, tp_group=None) -> nn.Module:
@@ -68,6 +72,7 @@ def freeze_base(model: nn.Module) -> list[str]:
 
 
 __all__ = ["AuditModes", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer", "EarlyExitLayer", "HaltingLayer",
-           "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "QuantileCut", "RoutingContext",
+           "IntegratedMoDELayer", "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "MoELayer", "QuantileCut",
+           "RoutingContext", "StagedMoDELayer",
            "block_flops", "build_layer", "calibrate_thresholds", "capacity_tokens", "controller_modules", "freeze_base",
            "is_controller_param", "method_spec", "register_method", "sync_quantile_cuts", "unregister_method"]

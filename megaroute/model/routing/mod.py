@@ -70,6 +70,12 @@ class MoDLayer(nn.Module):
         return self.predictor(x) if self.predictor is not None else router_logits
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        idx, valid, weight = self.select(x, ctx, name)
+        return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
+
+    def select(self, x: torch.Tensor, ctx: RoutingContext, name: str):
+        """The routing decision: (idx [B, k], valid [B, k] or None, weight [B, k] = g(router logit)).
+        MoDE (moe.py) reuses it with a different block update."""
         B, T, _ = x.shape
         logits = self.router(x).squeeze(-1)
         causal = self.causal_logits(x, logits)
@@ -89,8 +95,7 @@ class MoDLayer(nn.Module):
         ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
-        weight = self.weight_fn(logits.gather(1, idx))
-        return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
+        return idx, valid, self.weight_fn(logits.gather(1, idx))
 
     def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
         target = selected.to(logits.dtype)

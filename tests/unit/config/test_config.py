@@ -90,7 +90,7 @@ BAD_OVERRIDES = [
     # Literal mismatch
     ("model.dtype=fp16", "model.dtype", ["must be one of", "'float16'"]),
     ("model.dtype=float64", "model.dtype", ["must be one of"]),
-    ("routing.method=moe", "routing.method", ["'none', 'mod'"]),
+    ("routing.method=mixture", "routing.method", ["'none', 'mod'", "'moe'"]),
     ("routing.router_weight=Sigmoid", "routing.router_weight", ["did you mean 'sigmoid'"]),
     ("routing.gate=sigmoid", "routing.gate", ["was renamed to routing.router_weight"]),
     ("optim.schedule=linear", "optim.schedule", ["'cosine'"]),
