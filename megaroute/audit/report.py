@@ -76,9 +76,13 @@ def load_hf_model(path: str, device: str = "cpu"):
         cfg.data.seq_len = model_cfg.max_seq_len
         return model.to(device).eval(), cfg
     model_cfg, routing_cfg = megaroute_sections(hf.config)
+    # hf.model is the export's bundled copy of the code (megaroute/hf/bundle.py), other classes than
+    # this package's: the audit runs this package's Transformer on its weights.
+    model = build_model(model_cfg, routing_cfg)
+    model.load_state_dict(hf.model.state_dict())
     cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
     cfg.data.seq_len = model_cfg.max_seq_len
-    return hf.model.to(device).eval(), cfg
+    return model.to(device).eval(), cfg
 
 
 def load_run_model(path: str, device: str = "cpu"):

@@ -1,7 +1,9 @@
 """`megaroute convert` / launcher/convert_checkpoint.py: a DeepSpeed checkpoint -> a Hugging Face model dir.
 
     out/config.json                 MegarouteConfig + auto_map (trust_remote_code)
-    out/configuration_megaroute.py  out/modeling_megaroute.py   thin wrapper importing megaroute
+    out/configuration_megaroute.py  out/modeling_megaroute.py   thin wrapper around megaroute's Transformer
+    out/megaroute_*.py              the megaroute modules it needs, generated from the package's source
+                                    (bundle.py): the directory needs torch and transformers, not megaroute
     out/model.safetensors           or model-0000i-of-0000n.safetensors + model.safetensors.index.json
     out/generation_config.json      out/tokenizer*.json / tokenizer.model
 
@@ -36,13 +38,13 @@ from tqdm import tqdm
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
 from .adapter import StateDictAdapter
+from .bundle import BundleError, bundle_sources
 from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
 from .llama import llama_config, llama_tensors
 from .reader import (CheckpointSource, ConversionError, IntegrityError, check_config_hash, client_state, locate,
                      merged_tensors, verify_checksums)
 from .tokenizer import copy_tokenizer_source, export_tokenizer, special_ids
 
-HF_FILES = ("configuration_megaroute.py", "modeling_megaroute.py")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("auto", "llama", "megaroute")  # auto: llama for routing.method none, megaroute otherwise
 # One output shard is held in memory next to the memory-mapped input: peak ~ process baseline
@@ -106,12 +108,13 @@ def _write_weights(src: CheckpointSource, adapter: StateDictAdapter, out: str, d
     return weight_map
 
 
-def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str, dtype: torch.dtype) -> None:
+def _write_config(src: CheckpointSource, out: str, tokenizer, routing_mode: str, dtype: torch.dtype,
+                  code: dict[str, str]) -> None:
     from transformers import GenerationConfig
 
-
-    for f in HF_FILES:
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), f), os.path.join(out, f))
+    for name, text in code.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            f.write(text)
     eos, pad = special_ids(tokenizer, src.config.model.vocab_size)
     config = MegarouteConfig(
         megaroute_model=dataclasses.asdict(src.config.model), megaroute_routing=dataclasses.asdict(src.config.routing),
@@ -173,6 +176,12 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
     if not skip_verify:
         check_config_hash(src, client)
     adapter = StateDictAdapter(src.config.model, src.config.routing)
+    code = None
+    if not llama:
+        try:  # generated before anything is written
+            code = bundle_sources()
+        except BundleError as e:
+            raise ConversionError(f"cannot generate the remote code: {e}") from None
 
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -189,7 +198,7 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
         if llama:
             _write_llama_config(src, tmp, tok, written)
         else:
-            _write_config(src, tmp, tok, routing_mode, written)
+            _write_config(src, tmp, tok, routing_mode, written, code)
         if os.path.exists(out):  # --force: swap, then delete the old copy
             old = os.path.join(parent, f".{os.path.basename(out)}.old-{os.getpid()}")
             os.rename(out, old)

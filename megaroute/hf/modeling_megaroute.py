@@ -1,8 +1,11 @@
-"""Hugging Face wrapper around megaroute's own Transformer (shipped next to converted weights).
+"""Hugging Face wrapper around megaroute's own Transformer (the remote code of a routed export).
 
-The wrapper holds a `megaroute.model.Transformer` and calls its forward, so a converted model
-computes exactly what megaroute computes: the evaluation environment needs `pip install megaroute`
-(this file contains no model code of its own). Parameter names are megaroute's, under "model.".
+The wrapper holds a megaroute `Transformer` and calls its forward, so a converted model computes
+exactly what megaroute computes; it contains no model code of its own. It is not copied as it is: the
+converter ships it with the megaroute modules it imports, generated as flat files beside the weights
+(megaroute/hf/bundle.py), so the exported directory needs only torch and transformers. Parameter
+names are megaroute's, under "model.". Token dispatch in routed layers uses the PyTorch reference
+(routing.dispatch "torch": the kernels' semantics; the Triton kernels are not shipped).
 
 Generation: `past_key_values` is a MegarouteCache around megaroute's routing-aware KV cache (a
 token that a routed layer skips writes no keys/values there). Cached decoding needs a causal
@@ -11,6 +14,7 @@ routing mode; the config's default ("causal") is one.
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Optional
 
 import torch
@@ -18,18 +22,34 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..config import ModelConfig, RoutingConfig
+from ..model import ForwardOptions, build_model
+from ..model.rope import RotaryEmbedding
 from .configuration_megaroute import MegarouteConfig
 
 
-def megaroute_sections(config: MegarouteConfig):
-    """(ModelConfig, RoutingConfig) validated by megaroute's own config system."""
-    from megaroute.config import config_from_dict
+def _section(cls, values: dict, path: str):
+    """A config section from its dataclasses.asdict() form in config.json, nested sections included."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"config.json: unknown key(s) {', '.join(f'{path}.{k}' for k in unknown)} "
+                         "(written by a newer megaroute?)")
+    kwargs = {}
+    for key, value in values.items():
+        nested = known[key].default_factory
+        kwargs[key] = (_section(nested, value, f"{path}.{key}")
+                       if nested is not MISSING and is_dataclass(nested) and isinstance(value, dict) else value)
+    return cls(**kwargs)
 
-    model = {**config.megaroute_model, "dtype": "float32"}  # HF's dtype argument casts afterwards
-    full = config_from_dict({"model": model, "routing": config.megaroute_routing,
-                             # Placeholders so the full config validates: only model/routing are used.
-                             "data": {"tokenizer": {"kind": "char"}, "seq_len": model.get("max_seq_len", 1)}})
-    return full.model, full.routing
+
+def megaroute_sections(config: MegarouteConfig) -> tuple[ModelConfig, RoutingConfig]:
+    """(ModelConfig, RoutingConfig) rebuilt from config.json and validated by megaroute's own sections."""
+    model = _section(ModelConfig, {**config.megaroute_model, "dtype": "float32"}, "model")  # HF's dtype casts later
+    routing = _section(RoutingConfig, config.megaroute_routing, "routing")
+    model.validate("model")
+    routing.validate("routing")
+    return model, routing
 
 
 class MegarouteCache:
@@ -57,8 +77,6 @@ class MegaroutePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         # Weights come from the checkpoint; only derived tables (rotary cos/sin, never saved) need
         # building, e.g. after HF constructed the model on the meta device.
-        from megaroute.model.rope import RotaryEmbedding
-
         if isinstance(module, RotaryEmbedding):
             module.cos, module.sin = module._tables(module.cos.device if module.cos.device.type != "meta" else "cpu")
 
@@ -66,9 +84,8 @@ class MegaroutePreTrainedModel(PreTrainedModel):
 class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
     def __init__(self, config: MegarouteConfig):
         super().__init__(config)
-        from megaroute.model import build_model
-
         model_cfg, routing_cfg = megaroute_sections(config)
+        routing_cfg.dispatch = "torch"  # the same result as the Triton kernels, which are not shipped
         self.model = build_model(model_cfg, routing_cfg)
         self.post_init()
 
@@ -121,10 +138,6 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
                 if cache is None:  # a throwaway cache: the cached path is the one that masks keys
                     cache = self.model.new_cache()
-        from megaroute.model import (
-            ForwardOptions,  # remote code: megaroute loads lazily (see __init__)
-        )
-
         out = self.model(input_ids, options=ForwardOptions(mode=mode, positions=position_ids, cache=cache,
                                                            key_mask=key_mask))
         logits = self.model.gather_logits(out.logits)

@@ -15,9 +15,6 @@ DEFERRED = {
     "apex": "optional, on no package index", "matplotlib": "plotting only, and slow to import",
     "mlflow": "slow to import: the tracking child loads it on its worker thread, after setting MLflow's env",
 }
-# The HF remote-code file imports megaroute lazily so that the exported directory loads its config
-# without the package's import cost.
-REMOTE_CODE = PACKAGE / "hf" / "modeling_megaroute.py"
 
 
 def _function_level_imports(path: Path) -> list[tuple[int, str]]:
@@ -36,7 +33,7 @@ def test_imports_are_at_the_top_of_every_module():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for line, module in _function_level_imports(path):
-            if module.split(".")[0] in DEFERRED or (path == REMOTE_CODE and module.startswith("megaroute")):
+            if module.split(".")[0] in DEFERRED:
                 continue
             offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module}")
     assert not offenders, "move these imports to the top of their modules:\n" + "\n".join(offenders)
