@@ -18,45 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 
-from torch import nn
-
 from .config import Config, RoutingConfig, load_config
 from .config.cli import add_config_args
+from .config.schema import parse_size
 from .flops import COMPONENTS, config_flops, estimate_flops, training_proxy
-from .memory import estimate_memory
+from .memory import GPUS, estimate_memory, fit_rows, format_fit_table, param_counts, tp_sharded_params
 from .model import build_model
-from .model.routing import METHODS, is_controller_param, method_spec
-from .parallel import TensorParallelModule
+from .model.routing import METHODS, method_spec
+from .model.routing.moe import active_params
 
-
-def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
-    head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
-    norms stay whole on every rank. Tied weights once."""
-    out: dict[int, nn.Parameter] = {}
-    for name, m in model.named_modules():
-        if isinstance(m, TensorParallelModule) and not is_controller_param(name):
-            out.setdefault(id(m.weight), m.weight)
-    return list(out.values())
-
-
-def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
-    """Total / non-embedding counts (tied weights once), per-TP-rank count and largest layer."""
-    sharded = sum(p.numel() for p in tp_sharded_params(model))
-    total = model.num_params()
-    # ZeRO-3 gathers one module's own parameters at a time: DeepSpeed's "largest layer".
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return {
-        "total": total,
-        "non_embedding": model.num_params(exclude_embedding=True),
-        "per_tp_rank": total - sharded + -(-sharded // tp),
-        "largest_layer": -(-largest // tp),
-    }
+__all__ = ["inspect_config", "param_counts", "tp_sharded_params", "format_report", "run"]
 
 
 def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: int) -> dict:
     model = build_model(cfg.model, cfg.routing, device="meta")
-    params = param_counts(model, tp)
+    # active: what one token uses (differs from total for MoE: the experts it is not routed to)
+    params = {**param_counts(model, tp), "active": active_params(model, cfg.routing, cfg.data.seq_len)}
     flops = config_flops(cfg)
     memory = estimate_memory(
         cfg.model, cfg.routing,
@@ -130,7 +107,8 @@ def format_report(cfg: Config, info: dict) -> str:
         lines.append(f"routing     {_routing_summary(r, m.n_layers, T, f['tokens_per_layer'])}")
     lines += [
         f"parameters  total {p['total']:,} ({_si(p['total'])})   non-embedding {p['non_embedding']:,} "
-        f"({_si(p['non_embedding'])})",
+        f"({_si(p['non_embedding'])})" + (f"   active per token {p['active']:,} ({_si(p['active'])})"
+                                          if p["active"] != p["total"] else ""),
         "",
         f"FLOPs per token at seq_len {T} (matmuls only, full T x T attention, backward = 2 x forward)",
         f"  {'component':<14}{'inference':>16}{'train':>16}",
@@ -155,9 +133,17 @@ def format_report(cfg: Config, info: dict) -> str:
         f"{mem['micro_batch']} x {T} tokens, {mem['precision']}"
         + (", activation checkpointing" if cfg.parallel.activation_checkpointing else ""),
         f"  parameters on this GPU's TP shard  {p['per_tp_rank']:,}",
-        f"  model states   {_gib(mem['model_states_bytes']):>12}   ({mem['model_states_source']})",
-        f"  activations    {_gib(mem['activation_bytes']):>12}   (megaroute estimate; see megaroute/memory.py)",
-        f"  total          {_gib(mem['total_bytes']):>12}   (+10-20% for temporaries and fragmentation)",
+        f"  framework          {_gib(mem['framework_bytes']):>12}   (CUDA context and library workspaces)",
+        f"  model states       {_gib(mem['model_states_bytes']):>12}   ({mem['model_states_source']})",
+        f"  DeepSpeed buffers  {_gib(mem['buffer_bytes']):>12}   ({mem['buffers_source']})",
+        "  then the largest of these phases:",
+        f"    activations + backward transient {_gib(mem['activation_bytes'] + mem['backward_transient_bytes']):>12}"
+        f"   (activations {_gib(mem['activation_bytes'])}: megaroute estimate)",
+        f"    gradient-norm probe              {_gib(mem['grad_probe_bytes']):>12}",
+        f"    optimizer step temporaries       {_gib(mem['step_temporary_bytes']):>12}",
+        f"    evaluation forward               {_gib(mem['eval_bytes']):>12}",
+        f"  total (peak in {mem['peak_phase']}) {_gib(mem['total_bytes']):>12}   (see megaroute/memory.py; "
+        "`megaroute inspect --fit` for what fits a device)",
     ]
     return "\n".join(lines)
 
@@ -196,6 +182,14 @@ def add_parser(sub) -> None:
     p.add_argument("--dp", type=int, help="data-parallel size (default: parallel.dp, or 1 if it is 0)")
     p.add_argument("--micro-batch", type=int, help="sequences per GPU (default: train.micro_batch_size)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--fit", action="store_true",
+                   help="largest micro-batch that fits the device under each ZeRO stage, with and without "
+                        "activation checkpointing (needs --device-memory or --gpu)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--device-memory", metavar="SIZE", help="memory of one device for --fit, e.g. 32GiB")
+    target.add_argument("--gpu", choices=list(GPUS), help="a GPU's memory for --fit")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="what --fit estimates for: a GPU (default) or a CPU rank's resident memory")
     p.set_defaults(func=run)
 
 
@@ -210,6 +204,31 @@ def run(args: argparse.Namespace) -> int:
     for key, value in layout.items():
         if key != "zero_stage" and value < 1:
             raise SystemExit(f"megaroute inspect: --{key.replace('_', '-')} must be >= 1, got {value}")
+    if args.fit:
+        return _fit(cfg, args, layout)
     info = inspect_config(cfg, **layout)
     print(json.dumps(info, indent=2) if args.json else format_report(cfg, info))
+    return 0
+
+
+def _fit(cfg: Config, args: argparse.Namespace, layout: dict) -> int:
+    if args.gpu:
+        budget, what = GPUS[args.gpu], f"{args.gpu}"
+        device = "cuda"
+    elif args.device_memory:
+        try:
+            budget = parse_size(args.device_memory)
+        except ValueError as e:
+            raise SystemExit(f"megaroute inspect: --device-memory: {e}")
+        what, device = f"--device-memory {args.device_memory}", args.device
+    else:
+        raise SystemExit("megaroute inspect: --fit needs --device-memory SIZE or --gpu NAME")
+    # CPU: the DP ranks share one machine (its RAM, each other's comm workspaces)
+    rows = fit_rows(cfg, budget, dp=layout["dp"], tp=layout["tp"], device=device,
+                    ranks_here=layout["dp"] * layout["tp"] if device == "cpu" else 1)
+    if args.json:
+        print(json.dumps({"budget_bytes": budget, "device": device, "dp": layout["dp"], "tp": layout["tp"],
+                          "rows": [r.__dict__ for r in rows]}, indent=2))
+    else:
+        print(format_fit_table(cfg, rows, budget, f"{what}, {device}", layout["dp"]))
     return 0

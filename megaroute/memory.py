@@ -1,4 +1,10 @@
-"""Per-GPU training memory estimates: model states (ZeRO) + activations.
+"""Per-device training memory estimates, the launcher's pre-flight fit check and `inspect --fit`.
+
+Peak per device (one GPU, or one CPU rank's resident memory) = framework + model states +
+DeepSpeed buffers + the largest of the phases that follow one another in a step: backward
+(activations + the loss's gradient buffers), the gradient-norm probe, the optimizer step
+(temporaries), evaluation (a no-grad forward). Each term is its own function below; measured
+against real runs by `python -m megaroute.bench.memory` (README, "Memory").
 
 Model states (weights, gradients, optimizer) come from DeepSpeed's own estimators where they
 exist - `estimate_zero2_model_states_mem_needs` and `estimate_zero3_model_states_mem_needs`,
@@ -12,35 +18,47 @@ has none, so we use the same per-parameter byte accounting (DeepSpeed's comment 
 partitioned over the data-parallel ranks by stage: 1 the fp32 states, 2 also the gradients,
 3 also the weights. Tensor parallelism shards parameters first (Megatron layout: embedding,
 attention and MLP matrices split over TP ranks; norms, routers and predictors replicated).
+What DeepSpeed holds beyond that accounting (fp32 master and gradient partition copies, reduce
+buckets, ZeRO-3's gathered parameters, CPU comm workspaces) is `deepspeed_buffer_bytes`.
 
 Activations: the tensors autograd saves for backward for one micro-batch, counted for this
 model's blocks (checked against torch's saved-tensor hooks in tests/unit/test_inspect.py) in
 the style of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", sec. 4), which differs from their 34*s*b*h: no dropout masks, flash attention saves
-no T x T score matrix, SwiGLU, RoPE keeps rotated copies of q and k, and no sequence
-parallelism. Per token of a block that processes it, in activation elements:
+no T x T score matrix, SwiGLU, and no sequence parallelism. Per token of a block that processes
+it, in activation elements:
     replicated over TP: each of the two RMSNorms' input and output (the next matmul's
                         input); fused RMSNorm (CUDA, apex) keeps only these   = 4d
-                        (CPU's decomposed rms_norm also keeps fp32 copies of the input and
-                        the normalized value: 8 - p more bytes per element; not modeled)
-    TP-sharded:         q|k|v (3d), rotated q and k (2d), attention output and its
-                        reshaped copy (2d), gate|up (2f), silu(gate), product  = 7d + 4f
+    TP-sharded:         rotated q, k and v (3d: the fused split+RoPE writes them fresh and keeps
+                        no qkv), attention output and its reshaped copy (2d), gate|up (2f),
+                        silu(gate), product                                    = 5d + 4f
+CPU adds `cpu_activation_bytes` (the decomposed rms_norm's fp32 copies; bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
 delta of its k tokens (k x d, for the gate's gradient). The head keeps the final norm's two tensors
-(2d) plus the logits (returned to the caller, so alive until backward) and the fp32
-log-softmax cross-entropy saves. With full activation checkpointing only each layer's input
-is kept, plus one layer's activations while it is recomputed. Temporaries (e.g. the fp32
-logits gradient in backward), allocator fragmentation and communication buffers are not
-modeled: budget 10-20% headroom on top.
+(2d) plus the logits (returned to the caller, so alive until backward) and what the loss saves
+(vocab-parallel cross-entropy: an fp32 log-softmax; the chunked CPU loss: a logsumexp per row).
+With full activation checkpointing only each layer's input is kept, plus one layer's activations
+while it is recomputed. Allocator fragmentation (CUDA reserved vs allocated) is not modeled.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Optional
 
-from .config import ModelConfig, RoutingConfig
-from .model.routing import method_spec
+import psutil
+import torch
+from torch import nn
+
+from .config import Config, ConfigError, ModelConfig, RoutingConfig
+from .config.schema import parse_size
+from .flops import estimate_flops
+from .model import build_model
+from .model.attention import EAGER_MAX_LEN
+from .model.routing import is_controller_param, method_spec
+from .parallel import TensorParallelModule
 
 # Bytes per parameter: (weights, gradients, fp32 states: master/fp32-grads/Adam).
 STATE_BYTES = {"mixed": (2, 2, 16), "fp32": (4, 4, 8)}
@@ -100,13 +118,14 @@ def activation_bytes(
     precision: str = "bf16",
     tp: int = 1,
     activation_checkpointing: bool = False,
+    device: str = "cuda",
 ) -> int:
-    """Bytes autograd keeps for backward for one micro-batch on one GPU (see module docstring)."""
+    """Bytes autograd keeps for backward for one micro-batch on one device (see module docstring)."""
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
 
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
-        return n * (4 * d + (7 * d + 4 * f) / tp)
+        return n * (4 * d + (5 * d + 4 * f) / tp)
 
     spec = method_spec(routing.method)  # a routed block's terms: MethodSpec.activations
     layers = [spec.layer_activations(model, routing, T, block) if routing.is_routed(i) else block(T)
@@ -115,13 +134,165 @@ def activation_bytes(
         body = model.n_layers * T * d * p + max(layers) * p
     else:
         body = sum(layers) * p
-    head = 2 * T * d * p + T * V / tp * (p + 4)  # norm; logits + fp32 log-softmax
+    # norm; logits + what the loss keeps: the chunked CPU loss its per-row logsumexp, the
+    # vocab-parallel one an fp32 log-softmax
+    loss = T * 4 if _chunked_loss(device, tp) else T * V / tp * 4
+    head = 2 * T * d * p + T * V / tp * p + loss
     return int(micro_batch * (body + head))
+
+
+def _chunked_loss(device: str, tp: int) -> bool:
+    """The model's loss on CPU without TP is chunked_cross_entropy (no whole fp32 log-softmax)."""
+    return device == "cpu" and tp == 1
+
+
+# Resident bytes of a CPU rank apart from its model: Python + torch + megaroute + deepspeed imported
+# (~390 MiB of it, VmRSS after the imports), the gloo process group, DeepSpeed's engine and CPU ops,
+# allocator arenas. Measured: VmHWM of one rank training configs/tiny.yaml (0.87M parameters) minus
+# the model-dependent terms below, 630-660 MiB over the tiny dense, MoD and depth-gate runs of
+# `python -m megaroute.bench.memory` (torch 2.13, deepspeed 0.19.8).
+CPU_FRAMEWORK_BYTES = 640 * 2**20
+# Device memory a CUDA process holds outside torch's allocator (context, cuBLAS/NCCL workspaces).
+# Counted against a device's total memory (`inspect --fit`), not against mem_get_info's free
+# memory, which is read after the context exists. Typical for recent drivers; not measured here.
+CUDA_CONTEXT_BYTES = 768 * 2**20
+# DeepSpeed's default ZeRO 1-3 reduce bucket (elements, `reduce_bucket_size`): the contiguous-gradient
+# buffer is allocated at this size; on CPU only the pages it touches (at most the parameters) are resident.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+# DeepSpeed's CPU all-reduce workspace per local rank (deepspeed/ops/csrc/cpu/comm/shm.cpp:
+# 2 x NAIVE_ALLREDUCE_THRESHOLD + 2 x MAX_BUF_SIZE bytes), mapped by every local rank.
+CPU_COMM_WORKSPACE_BYTES = 2 * 2**20 + 2 * 32 * 2**20
+# DeepSpeed's default stage3_max_live_parameters (elements).
+MAX_LIVE_PARAMETERS = 1_000_000_000
+# Memory of one device for `inspect --fit --gpu` (the 32 GB V100, the 80 GB H100 SXM).
+GPUS = {"v100": 32 * 2**30, "a100-40": 40 * 2**30, "a100-80": 80 * 2**30, "h100": 80 * 2**30}
+
+
+def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
+    head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
+    norms stay whole on every rank. Tied weights once."""
+    out: dict[int, nn.Parameter] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, TensorParallelModule) and not is_controller_param(name):
+            out.setdefault(id(m.weight), m.weight)
+    return list(out.values())
+
+
+def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
+    """Total / non-embedding counts (tied weights once), per-TP-rank count, largest layer and largest tensor."""
+    sharded = sum(p.numel() for p in tp_sharded_params(model))
+    total = model.num_params()
+    # ZeRO-3 gathers one module's own parameters at a time: DeepSpeed's "largest layer".
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {
+        "total": total,
+        "non_embedding": model.num_params(exclude_embedding=True),
+        "per_tp_rank": total - sharded + -(-sharded // tp),
+        "largest_layer": -(-largest // tp),
+    }
+
+
+def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str = "fp32", tp: int = 1,
+                   device: str = "cuda") -> int:
+    """Transient bytes at the start of backward beside the saved activations: the loss's gradient
+    buffers. Vocab-parallel cross-entropy: the fp32 gradients of its log-softmax and of the logits,
+    two T x V/tp fp32 tensors alive together; the chunked CPU loss: one logits-sized gradient."""
+    T, V = seq_len, model.vocab_size
+    if _chunked_loss(device, tp):
+        return micro_batch * T * V * ACTIVATION_BYTES[precision]
+    return 2 * micro_batch * T * V // tp * 4
+
+
+def eval_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int = 1,
+               device: str = "cuda") -> int:
+    """Peak of the no-grad evaluation forward: the logits (and the vocab-parallel loss's fp32
+    log-softmax), plus one block's widest intermediates (q|k|v and SwiGLU's gate|up)."""
+    p = ACTIVATION_BYTES[precision]
+    T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
+    loss = 0 if _chunked_loss(device, tp) else 4
+    return int(micro_batch * (T * V / tp * (p + loss) + T * (4 * d + (3 * d + 2 * f) / tp) * p))
+
+
+def cpu_activation_bytes(model: ModelConfig, routing: RoutingConfig, seq_len: int, micro_batch: int, precision: str,
+                         activation_checkpointing: bool = False) -> int:
+    """What CPU training saves beyond activation_bytes (counted with saved-tensor hooks in
+    tests/unit/test_inspect.py, torch 2.13): the decomposed rms_norm keeps fp32 copies of its input
+    and normalized value (8 - p more bytes per element; two norms per block per token it runs, plus
+    the final norm), and bf16 attention up to EAGER_MAX_LEN tokens runs as explicit matmuls that keep
+    the softmax probabilities (heads x n x n, bf16) of each block. With checkpointing only the block
+    being recomputed keeps them."""
+    p = ACTIVATION_BYTES[precision]
+    tokens = estimate_flops(model, routing, seq_len).tokens_per_layer
+    norm_tokens = 2 * (max(tokens) if activation_checkpointing else sum(tokens)) + seq_len
+    extra = norm_tokens * model.d_model * (8 - p)
+    if precision == "bf16" and seq_len <= EAGER_MAX_LEN:
+        scores = [model.n_heads * n * n * p for n in tokens]
+        extra += max(scores) if activation_checkpointing else sum(scores)
+    return micro_batch * extra
+
+
+def deepspeed_buffer_bytes(params: int, zero_stage: int, dp: int, precision: str, device: str,
+                           local_ranks: int = 1) -> tuple[int, str]:
+    """What DeepSpeed holds beyond the 16/20-bytes-per-parameter accounting, for one rank -> (bytes, what).
+
+    fp32 at ZeRO 1-3: the optimizer's fp32 master partition is a clone of the (already fp32) weights,
+    and the flat fp32 gradient partition it steps on is a separate buffer: 8 bytes per parameter of
+    the partition. ZeRO 1-2 (contiguous_gradients, DeepSpeed's default): the gradient reduce bucket,
+    REDUCE_BUCKET_ELEMENTS elements, fp32 at ZeRO-1 (it stages the fp32 accumulator), the training
+    dtype at ZeRO-2 (DeepSpeed 0.19 `setup_buckets`), and ZeRO-3's (its `ipg_buckets`); on CPU only
+    the pages it touches (at most the parameters) are resident. ZeRO-3 releases gathered parameters
+    only past stage3_max_live_parameters (MAX_LIVE_PARAMETERS), so a smaller model ends up whole.
+    CPU ranks (more than one per machine) map every local rank's all-reduce workspace of DeepSpeed's
+    shared-memory comm op (CPU_COMM_WORKSPACE_BYTES each), resident once a large all-reduce fills it."""
+    parts, total = [], 0
+    if device == "cpu" and local_ranks > 1:
+        total += local_ranks * CPU_COMM_WORKSPACE_BYTES
+        parts.append(f"CPU comm workspaces x {local_ranks}")
+    if precision == "fp32" and zero_stage >= 1:
+        total += 8 * params // dp
+        parts.append("fp32 master + grad partition copies")
+    if zero_stage >= 1:
+        per = 4 if precision == "fp32" or zero_stage == 1 else 2
+        elements = REDUCE_BUCKET_ELEMENTS if device == "cuda" else min(REDUCE_BUCKET_ELEMENTS, params)
+        total += per * elements
+        parts.append(f"ZeRO-{zero_stage} reduce bucket")
+    if zero_stage == 3:
+        total += (4 if precision == "fp32" else 2) * min(params, MAX_LIVE_PARAMETERS)
+        parts.append("gathered parameters")
+    return total, ", ".join(parts) or "none"
+
+
+def step_temporary_bytes(params: int, largest_tensor: int, zero_stage: int, dp: int, device: str,
+                         offload_optimizer: bool = False, fused: bool = True) -> int:
+    """AdamW's temporaries in the optimizer step. GuardedAdamW runs torch's fused AdamW on CPU and
+    CUDA tensors (train/optim.py): an in-place kernel, no tensor-sized temporaries. Unfused, the
+    denominator sqrt(v)/c + eps is built out of place: two fp32 tensors of the stepped size, one
+    tensor at a time on CPU (the biggest parameter at ZeRO 0, the flat fp32 partition at ZeRO 1-3;
+    measured 1.2 GiB of dense_157m's peak before the fused kernel), foreach over the whole group on
+    CUDA. Offloaded: DeepSpeed's CPU Adam, on the host."""
+    if offload_optimizer or fused:
+        return 0
+    stepped = params // dp if zero_stage >= 1 else params
+    if device == "cuda":
+        return 4 * stepped
+    return 2 * 4 * (stepped if zero_stage >= 1 else largest_tensor)
+
+
+def grad_probe_bytes(params: int, zero_stage: int) -> int:
+    """The launcher's gradient-norm probe (steps 1, log_interval multiples and the last) assembles
+    every full fp32 gradient at once under ZeRO 1-3 (DeepSpeed's safe_get_full_grad: one
+    zeros_like per parameter, all-reduced); at ZeRO 0 it reads param.grad in place."""
+    return 4 * params if zero_stage >= 1 else 0
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU for training, plus the layout they were computed for."""
+    """Bytes per device (one GPU, or one CPU rank's resident memory) for training, with its layout.
+
+    Peak = framework + model states + DeepSpeed buffers + the largest of the phases that follow one
+    another in a step: backward (activations + its transient), the gradient probe, the optimizer step
+    (temporaries) and evaluation (no-grad forward)."""
 
     zero_stage: int
     tp: int
@@ -132,17 +303,40 @@ class MemoryEstimate:
     model_states: int
     model_states_source: str
     activations: int
+    device: str = "cuda"
+    activation_checkpointing: bool = False
+    framework: int = 0
+    buffers: int = 0
+    buffers_source: str = "none"
+    backward: int = 0
+    grad_probe: int = 0
+    step_temporaries: int = 0
+    evaluation: int = 0
+
+    @property
+    def phases(self) -> dict[str, int]:
+        return {"backward": self.activations + self.backward, "grad probe": self.grad_probe,
+                "optimizer step": self.step_temporaries, "evaluation": self.evaluation}
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases.items(), key=lambda kv: kv[1])[0]
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations
+        return self.framework + self.model_states + self.buffers + max(self.phases.values())
 
     def as_dict(self) -> dict:
         return {
             "zero_stage": self.zero_stage, "tp": self.tp, "dp": self.dp, "micro_batch": self.micro_batch,
-            "precision": self.precision, "params_per_gpu": self.params_per_gpu,
-            "model_states_bytes": self.model_states, "model_states_source": self.model_states_source,
-            "activation_bytes": self.activations, "total_bytes": self.total,
+            "precision": self.precision, "device": self.device,
+            "activation_checkpointing": self.activation_checkpointing, "params_per_gpu": self.params_per_gpu,
+            "framework_bytes": self.framework, "model_states_bytes": self.model_states,
+            "model_states_source": self.model_states_source, "buffer_bytes": self.buffers,
+            "buffers_source": self.buffers_source, "activation_bytes": self.activations,
+            "backward_transient_bytes": self.backward, "grad_probe_bytes": self.grad_probe,
+            "step_temporary_bytes": self.step_temporaries, "eval_bytes": self.evaluation,
+            "peak_phase": self.peak_phase, "total_bytes": self.total,
         }
 
 
@@ -161,10 +355,235 @@ def estimate_memory(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     activation_checkpointing: bool = False,
+    device: str = "cuda",
+    largest_tensor_params: int = 0,
+    framework: bool = True,
+    local_ranks: int = 1,
 ) -> MemoryEstimate:
+    """Per-device training memory (see MemoryEstimate). device: "cuda" (a GPU's memory, framework =
+    CUDA_CONTEXT_BYTES) or "cpu" (a rank's resident memory, framework = CPU_FRAMEWORK_BYTES, plus
+    CPU-only terms). framework=False leaves the framework term out (e.g. against CUDA free memory,
+    read after the context exists)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     states, source = zero_model_state_bytes(params_per_gpu, zero_stage, dp, precision,
                                             offload_optimizer, offload_params, largest_layer_params)
-    acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing)
-    return MemoryEstimate(zero_stage=zero_stage, tp=tp, dp=dp, micro_batch=micro_batch, precision=precision,
-                          params_per_gpu=params_per_gpu, model_states=states, model_states_source=source,
-                          activations=acts)
+    acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing, device)
+    if device == "cpu":  # fused norms on CUDA (apex) keep input and output only
+        acts += cpu_activation_bytes(model, routing, seq_len, micro_batch, precision, activation_checkpointing)
+    buffers, buffers_source = deepspeed_buffer_bytes(params_per_gpu, zero_stage, dp, precision, device, local_ranks)
+    return MemoryEstimate(
+        zero_stage=zero_stage, tp=tp, dp=dp, micro_batch=micro_batch, precision=precision,
+        params_per_gpu=params_per_gpu, model_states=states, model_states_source=source, activations=acts,
+        device=device, activation_checkpointing=activation_checkpointing,
+        framework=(CPU_FRAMEWORK_BYTES if device == "cpu" else CUDA_CONTEXT_BYTES) if framework else 0,
+        buffers=buffers, buffers_source=buffers_source,
+        backward=backward_bytes(model, seq_len, micro_batch, precision, tp, device),
+        grad_probe=grad_probe_bytes(params_per_gpu, zero_stage),
+        step_temporaries=step_temporary_bytes(params_per_gpu, largest_tensor_params or largest_layer_params,
+                                              zero_stage, dp, device, offload_optimizer),
+        evaluation=eval_bytes(model, seq_len, micro_batch, precision, tp, device),
+    )
+
+
+def config_params(cfg: Config, tp: int) -> dict[str, int]:
+    """param_counts of the config's model built on the meta device (no memory), plus its largest tensor."""
+    model = build_model(cfg.model, cfg.routing, device="meta")
+    counts = param_counts(model, tp)
+    counts["largest_tensor"] = max(p.numel() for p in model.parameters())
+    return counts
+
+
+def estimate_for_config(cfg: Config, *, tp: Optional[int] = None, dp: int = 1, device: str = "cuda",
+                        micro_batch: Optional[int] = None, zero_stage: Optional[int] = None,
+                        activation_checkpointing: Optional[bool] = None, offload_optimizer: Optional[bool] = None,
+                        offload_params: Optional[bool] = None, framework: bool = True,
+                        params: Optional[dict] = None, local_ranks: int = 1) -> MemoryEstimate:
+    """estimate_memory for a config, with any of its layout settings replaced. local_ranks: ranks
+    on one machine (CPU: they share its RAM and map each other's comm workspaces)."""
+    tp = tp or cfg.parallel.tp
+    params = params or config_params(cfg, tp)
+    return estimate_memory(
+        cfg.model, cfg.routing, params_per_gpu=params["per_tp_rank"], largest_layer_params=params["largest_layer"],
+        largest_tensor_params=params["largest_tensor"], seq_len=cfg.data.seq_len,
+        micro_batch=cfg.train.micro_batch_size if micro_batch is None else micro_batch,
+        zero_stage=cfg.optim.zero_stage if zero_stage is None else zero_stage, tp=tp, dp=dp,
+        precision=cfg.train.precision,
+        offload_optimizer=cfg.optim.offload_optimizer if offload_optimizer is None else offload_optimizer,
+        offload_params=cfg.optim.offload_params if offload_params is None else offload_params,
+        activation_checkpointing=(cfg.parallel.activation_checkpointing if activation_checkpointing is None
+                                  else activation_checkpointing),
+        device=device, framework=framework, local_ranks=local_ranks)
+
+
+class MemoryFitError(ConfigError):
+    """The pre-flight check's verdict: the config does not fit the device (exit 2, like a bad config)."""
+
+    def __init__(self, message: str):
+        super().__init__("", message)
+
+
+def micro_batch_choices(global_batch: int, dp: int) -> list[int]:
+    """Micro-batch sizes that give a whole number of accumulation steps: divisors of global_batch / dp."""
+    if global_batch % dp:
+        return []
+    per_rank = global_batch // dp
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def largest_micro_batch(budget: int, estimate, choices: list[int]) -> tuple[int, Optional[MemoryEstimate]]:
+    """The largest of `choices` whose estimate(micro_batch).total fits `budget` -> (micro-batch, its
+    estimate), or (0, None). The estimate grows with the micro-batch, so a bisection finds it."""
+    lo, hi, best = 0, len(choices) - 1, (0, None)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        est = estimate(choices[mid])
+        if est.total <= budget:
+            best, lo = (choices[mid], est), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+@dataclass(frozen=True)
+class FitRow:
+    zero_stage: int
+    activation_checkpointing: bool
+    offload_optimizer: bool
+    offload_params: bool
+    micro_batch: int  # 0: not even micro-batch 1 fits
+    accumulation: int
+    total: int  # the estimate at that micro-batch (at micro-batch 1 when nothing fits)
+
+
+def fit_rows(cfg: Config, budget: int, *, dp: int, tp: Optional[int] = None, device: str = "cuda",
+             framework: bool = True, combos=None, ranks_here: int = 1) -> list[FitRow]:
+    """For each (zero_stage, activation_checkpointing, offload_optimizer, offload_params) in `combos`
+    (default: ZeRO 0-3 x checkpointing off/on, the config's offload where the stage allows it):
+    the largest micro-batch whose estimate fits `budget` bytes, and the accumulation steps it gives
+    for train.global_batch_size over `dp` ranks."""
+    tp = tp or cfg.parallel.tp
+    params = config_params(cfg, tp)
+    choices = micro_batch_choices(cfg.train.global_batch_size, dp)
+    if combos is None:
+        o = cfg.optim
+        combos = [(z, ckpt, o.offload_optimizer and z >= 1, o.offload_params and z == 3)
+                  for z in range(4) for ckpt in (False, True)]
+    rows = []
+    for z, ckpt, off_opt, off_par in combos:
+        def estimate(mb, z=z, ckpt=ckpt, off_opt=off_opt, off_par=off_par):
+            return estimate_for_config(cfg, tp=tp, dp=dp, device=device, micro_batch=mb, zero_stage=z,
+                                       activation_checkpointing=ckpt, offload_optimizer=off_opt,
+                                       offload_params=off_par, framework=framework, params=params,
+                                       local_ranks=ranks_here)
+        mb, est = largest_micro_batch(budget, estimate, choices)
+        rows.append(FitRow(z, ckpt, off_opt, off_par, mb, cfg.train.global_batch_size // (mb * dp) if mb else 0,
+                           est.total if est else estimate(1).total))
+    return rows
+
+
+def format_fit_table(cfg: Config, rows: list[FitRow], budget: int, what: str, dp: int) -> str:
+    lines = [f"Largest micro-batch that fits {_gib(budget)} per device ({what}); global batch "
+             f"{cfg.train.global_batch_size} over DP {dp}, {cfg.data.seq_len} tokens per sequence, {cfg.train.precision}",
+             f"  {'ZeRO':<6}{'act. ckpt':<11}{'micro-batch':>12}{'grad. accum.':>14}{'estimate':>12}"]
+    for r in rows:
+        offload = "".join([" +offload_optimizer" if r.offload_optimizer else "",
+                           " +offload_params" if r.offload_params else ""])
+        mb = str(r.micro_batch) if r.micro_batch else "none"
+        acc = str(r.accumulation) if r.micro_batch else "-"
+        lines.append(f"  {r.zero_stage:<6}{'on' if r.activation_checkpointing else 'off':<11}{mb:>12}{acc:>14}"
+                     f"{_gib(r.total):>12}{offload}")
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def local_ranks() -> int:
+    """Ranks on this machine: LOCAL_WORLD_SIZE (torchrun, srun via train.env), LOCAL_SIZE (deepspeed)."""
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(key):
+            return max(1, int(os.environ[key]))
+    return 1
+
+
+def available_memory(cfg: Config, device: str, local_rank: int = 0, ranks_here: int = 1) -> tuple[int, str, bool]:
+    """Memory one rank may use -> (bytes, where the figure comes from, whether the framework's share is
+    already outside it). train.device_memory overrides detection. CUDA: free memory of this rank's GPU
+    (read after its context exists, so the context is outside it). CPU: MemAvailable / local ranks,
+    plus what this process already holds (the framework the estimate counts is partly loaded)."""
+    if cfg.train.device_memory is not None:
+        return parse_size(cfg.train.device_memory), f"train.device_memory={cfg.train.device_memory}", False
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(local_rank)
+        return free, f"free memory of cuda:{local_rank} (torch.cuda.mem_get_info)", True
+    own = psutil.Process().memory_info().rss
+    avail = psutil.virtual_memory().available
+    return (avail // ranks_here + own,
+            f"available RAM {_gib(avail)} / {ranks_here} local rank(s) + {_gib(own)} this rank already holds", False)
+
+
+def _describe(est: MemoryEstimate, seq_len: int) -> str:
+    layout = (f"{est.device}, ZeRO-{est.zero_stage}, DP {est.dp}, TP {est.tp}, micro-batch {est.micro_batch} x "
+              f"{seq_len}, {est.precision}, activation checkpointing {'on' if est.activation_checkpointing else 'off'}")
+    parts = [("framework", est.framework), ("model states", est.model_states), ("DeepSpeed buffers", est.buffers)]
+    parts.append((est.peak_phase, est.phases[est.peak_phase]))
+    return f"{layout}; " + " + ".join(f"{name} {_gib(v)}" for name, v in parts if v)
+
+
+def preflight(cfg: Config, *, dp: int, tp: int, device: str, local_rank: int = 0,
+              ranks_here: int = 1) -> tuple[bool, str]:
+    """The launcher's fit check -> (fits, message). The message names the estimate and its terms, the
+    memory it was compared with, and when it does not fit, the settings that would (largest
+    micro-batch as is, with activation checkpointing, at higher ZeRO stages, with offload on CUDA)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    budget, source, context_outside = available_memory(cfg, device, local_rank, ranks_here)
+    framework = not context_outside
+    est = estimate_for_config(cfg, tp=tp, dp=dp, device=kind, framework=framework, local_ranks=ranks_here)
+    if est.total <= budget:
+        return True, f"memory pre-flight: estimate {_gib(est.total)} per rank fits {_gib(budget)} ({source})"
+    o, ckpt = cfg.optim, cfg.parallel.activation_checkpointing
+    combos = []
+    for z in range(o.zero_stage, 4):
+        for c in sorted({ckpt, True}):
+            offloads = {(o.offload_optimizer and z >= 1, o.offload_params and z == 3)}
+            if kind == "cuda":  # offload moves states to host RAM: no help when the device is the host
+                offloads |= {(z >= 1, False), (z >= 1, z == 3)}
+            combos += [(z, c, a, b) for a, b in sorted(offloads)]
+    rows = [r for r in fit_rows(cfg, budget, dp=dp, tp=tp, device=kind, framework=framework, combos=combos,
+                                ranks_here=ranks_here) if r.micro_batch]
+    lines = [f"memory pre-flight: this config does not fit: estimated {_gib(est.total)} per rank "
+             f"({_describe(est, cfg.data.seq_len)}) > {_gib(budget)} available ({source})."]
+    if rows:
+        def changes(r: FitRow) -> list[str]:
+            out = []
+            if r.zero_stage != o.zero_stage:
+                out.append(f"optim.zero_stage={r.zero_stage}")
+            if r.activation_checkpointing != ckpt:
+                out.append("parallel.activation_checkpointing=true")
+            if r.offload_optimizer != o.offload_optimizer:
+                out.append("optim.offload_optimizer=true")
+            if r.offload_params != o.offload_params:
+                out.append("optim.offload_params=true")
+            if r.micro_batch != cfg.train.micro_batch_size:
+                out.append(f"train.micro_batch_size={r.micro_batch} (gradient accumulation {r.accumulation})")
+            return out
+        rows.sort(key=lambda r: (len(changes(r)), -r.micro_batch))
+        # Drop a row that changes more than an earlier one without a larger micro-batch (e.g. ZeRO-3 at DP 1).
+        kept: list[FitRow] = []
+        for r in rows:
+            settings = {c for c in changes(r) if not c.startswith("train.micro_batch_size")}
+            if not any({c for c in changes(k) if not c.startswith("train.micro_batch_size")} <= settings
+                       and k.micro_batch >= r.micro_batch for k in kept):
+                kept.append(r)
+        rows = kept
+        lines.append("Settings that fit (estimate per rank):")
+        lines += [f"  {' '.join(changes(r)) or 'as configured'}: {_gib(r.total)}" for r in rows[:6]]
+    else:
+        lines.append(f"Nothing fits at DP {dp}, TP {tp}, even at micro-batch 1 with ZeRO-3 and activation "
+                     "checkpointing: use more devices (ZeRO partitions the model states over data-parallel "
+                     "ranks; parallel.tp splits the weights) or a smaller model.")
+    lines.append("(train.preflight=error stops here: set train.preflight=warn to start anyway, or "
+                 "train.device_memory=<size> if the available memory was misread; see megaroute/memory.py)")
+    return False, "\n".join(lines)

@@ -27,6 +27,8 @@ from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import preflight, prepare
 from ..data.tokenizers import load_tokenizer
 from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
+from ..memory import MemoryFitError, local_ranks
+from ..memory import preflight as memory_preflight
 from ..model import build_model
 from ..model.routing import freeze_base, is_controller_param, method_spec
 from ..model.routing.context import eval_modes
@@ -175,7 +177,24 @@ def _check(cfg: Config, env: DistEnv):
     check_data(cfg)
     check_resume_tag(cfg)
     init_path = init_from_file(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    check_memory(cfg, env, layout)
     return layout, ds_config, init_path
+
+
+def check_memory(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
+    """train.preflight: the estimated peak per rank against the device's free memory (megaroute.memory).
+    Every rank reaches the same verdict; rank 0 prints the full message. Raises MemoryFitError (exit 2)."""
+    if cfg.train.preflight == "off":
+        return
+    fits, message = memory_preflight(cfg, dp=layout.dp, tp=layout.tp, device=env.device, local_rank=env.local_rank,
+                              ranks_here=local_ranks())
+    if fits:
+        return
+    if cfg.train.preflight == "warn":
+        if env.is_main:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        return
+    raise MemoryFitError(message if env.is_main else "memory pre-flight: does not fit (rank 0 prints why)")
 
 
 def _start(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict) -> None:

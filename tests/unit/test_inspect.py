@@ -13,7 +13,7 @@ from megaroute.cli import main
 from megaroute.config import ModelConfig, RoutingConfig, load_config
 from megaroute.flops import COMPONENTS, config_flops, estimate_flops
 from megaroute.inspect import param_counts
-from megaroute.memory import activation_bytes, zero_model_state_bytes
+from megaroute.memory import activation_bytes, cpu_activation_bytes, zero_model_state_bytes
 from megaroute.model import build_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -151,12 +151,16 @@ def test_activation_estimate_matches_saved_tensors(dtype, precision, routing):
     T, B = 256, 4
     torch.manual_seed(0)
     measured = _saved_activation_bytes(build_model(model_cfg, routing_cfg), torch.randint(0, 1024, (B, T)))
-    estimate = activation_bytes(model_cfg, routing_cfg, T, B, precision)
+    estimate = activation_bytes(model_cfg, routing_cfg, T, B, precision, device="cpu")
     # CPU's rms_norm is decomposed and keeps fp32 input and normalized copies; the estimate
     # models the fused CUDA/apex kernel (input and output only). Add the difference back.
     p = 2 if precision == "bf16" else 4
-    norm_tokens = 2 * sum(estimate_flops(model_cfg, routing_cfg, T).tokens_per_layer) + T
-    estimate += B * norm_tokens * model_cfg.d_model * (8 - p)
+    tokens = estimate_flops(model_cfg, routing_cfg, T).tokens_per_layer
+    estimate += B * (2 * sum(tokens) + T) * model_cfg.d_model * (8 - p)
+    if precision == "bf16":  # CPU bf16 attention (explicit matmuls) keeps each block's softmax
+        estimate += B * sum(model_cfg.n_heads * n * n * p for n in tokens)
+    assert estimate == activation_bytes(model_cfg, routing_cfg, T, B, precision, device="cpu") + cpu_activation_bytes(
+        model_cfg, routing_cfg, T, B, precision)  # what the CPU estimate adds up
     # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices.
     assert estimate == pytest.approx(measured, rel=0.04)
 
@@ -238,3 +242,43 @@ def test_inspect_cli_subprocess_shows_both_training_figures():
     assert "proxy: 3 x training forward + no-grad passes" in out
     assert "executed, controller-only: full forward, backward to the controller" in out
     assert "oracle_layers 1 of 6 gated" in out
+
+
+def test_fit_table_matches_a_hand_computation(capsys):
+    """`inspect --fit` for tiny.yaml (fp32, global batch 256) on a 1 GiB GPU at DP 2, against the byte
+    counts written out here (megaroute/memory.py's model, term by term)."""
+    V, d, L, f, T, p, dp, gb = 128, 128, 4, 384, 128, 4, 2, 256
+    P = V * d + L * (4 * d * d + 3 * d * f + 2 * d) + d  # tied embedding; qkv+out, gate|up+down, 2 norms; final norm
+    largest_layer = 2 * f * d  # the fused gate|up projection
+    assert P == build_model(load_config(str(CONFIGS / "tiny.yaml")).model, RoutingConfig(), device="meta").num_params()
+    budget, context, bucket = 2**30, 768 * 2**20, 4 * 500_000_000
+    states = {0: 16 * P, 1: 8 * P + 8 * P // dp, 2: 4 * P + 12 * P // dp, 3: 16 * P // dp + 4 * largest_layer}
+    # fp32 master + grad partition copies; the reduce bucket; ZeRO-3's gathered (whole) model
+    buffers = {0: 0, 1: 8 * P // dp + bucket, 2: 8 * P // dp + bucket, 3: 8 * P // dp + bucket + 4 * P}
+    block = T * (4 * d + 5 * d + 4 * f)  # saved elements of one block per sequence
+    head = 2 * T * d * p + T * V * (p + 4)  # final norm; logits and their fp32 log-softmax
+
+    def total(z: int, ckpt: bool, mb: int) -> int:
+        acts = mb * ((L * T * d + block) * p + head if ckpt else L * block * p + head)
+        backward = mb * 2 * T * V * 4
+        probe = 4 * P if z else 0  # full fp32 gradients assembled for the grad-norm probe
+        evaluation = mb * (T * V * (p + 4) + T * (4 * d + 3 * d + 2 * f) * p)
+        return context + states[z] + buffers[z] + max(acts + backward, probe, evaluation)  # fused AdamW: no temporaries
+
+    choices = [m for m in range(1, gb // dp + 1) if (gb // dp) % m == 0]
+    assert main(["inspect", "--config", str(CONFIGS / "tiny.yaml"), "train.global_batch_size=256", "--fit",
+                 "--device-memory", "1GiB", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "1.00 GiB per device (--device-memory 1GiB, cuda); global batch 256 over DP 2" in out
+    rows = re.findall(r"^  (\d)\s+(on|off)\s+(\d+|none)\s+(\d+|-)\s+([\d.]+) GiB", out, re.M)
+    assert len(rows) == 8
+    for z, ckpt, mb, acc, est in rows:
+        z, ckpt = int(z), ckpt == "on"
+        fitting = [m for m in choices if total(z, ckpt, m) <= budget]
+        expected = max(fitting) if fitting else None
+        assert (int(mb) if mb != "none" else None) == expected, (z, ckpt)
+        assert acc == (str(gb // (dp * expected)) if expected else "-")
+        assert float(est) == pytest.approx(total(z, ckpt, expected or 1) / 2**30, abs=0.006)
+    table = {(int(r[0]), r[1]): r[2] for r in rows}
+    # The numbers this works out to: ZeRO 1-3 carry DeepSpeed's 2 GB fp32 reduce bucket on a GPU.
+    assert table[(0, "off")] == "32" and table[(0, "on")] == "64" and table[(1, "off")] == table[(3, "on")] == "none"
