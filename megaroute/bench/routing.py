@@ -7,11 +7,13 @@ rank, CPU), reads each run's last evaluation record (metrics.jsonl; names in meg
 and loads the trained checkpoints in-process for what training's evaluation does not measure.
 One table per part, printed and written as markdown to <runs-dir>/routing_tables.md:
 
-  halting    (a) dense vs halting gates over an init_bias / penalty (lambda) sweep: soft loss
-             (val/loss_soft: every token runs every block, scaled by p), hard loss (eval/loss: tokens
-             with p < tau skip the block), TLOps saved (1 - eval/tlops_frac), the hard loss's increase
-             over dense, whether that is the published operating point (OPERATING_POINT), and the
-             measured forward time of the hard model vs dense on the same validation batches;
+  halting    (a) dense vs halting gates over an init_bias / penalty (lambda) / training-forward /
+             target_skip sweep: training-mode loss (val/loss_soft: a soft training forward runs every
+             token through every block, scaled by p; a hard one is the hard skip), hard loss
+             (eval/loss: tokens with p < tau skip the block), TLOps saved (1 - eval/tlops_frac), the
+             hard loss's increase over dense, whether that is the published operating point
+             (OPERATING_POINT), and the measured forward time of the hard model vs dense on the same
+             validation batches;
   early_exit (b) halting vs early exit at matched TLOps: the early-exit checkpoint is re-evaluated
              in-process at the exit threshold (an evaluation-time knob) whose TLOps match each
              halting run's, found by bisection;
@@ -49,8 +51,11 @@ from ..model.routing.context import eval_modes
 from ..train.loop import Evaluator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The halting sweep (init_bias, penalty lambda): every point is a shipped config.
-HALTING = ["char_halting_l0", "char_halting_l0002", "char_halting_l005", "char_halting_b0_l0", "char_halting_b4_l0005"]
+# The halting sweep: soft training forward over (init_bias, penalty lambda), then the hard training
+# forward with a skip target on every block, every second or every third one. Every point is a shipped config.
+HALTING = ["char_halting_l0", "char_halting_l0002", "char_halting_l005", "char_halting_b0_l0", "char_halting_b4_l0005",
+           "char_halting_st_s18", "char_halting_st_e2_s32", "char_halting_st_e2_s28", "char_halting_st_e2o0_s32",
+           "char_halting_st_e3_s45", "char_halting_st_e3o2_s45"]
 SUITES = {
     "halting": ["char_dense", *HALTING],
     "early_exit": ["char_dense", *HALTING, "char_early_exit"],
@@ -59,8 +64,8 @@ SUITES = {
               "char_g3", "char_g3_util_rank", "char_g3_on_policy"],
 }
 # --quick: the runs kept (with a quarter of the steps).
-QUICK = {"char_dense", "char_halting_l0", "char_halting_l0002", "char_early_exit", "char_mod", "char_random",
-         "char_stride", "char_g1", "char_g3_util_rank"}
+QUICK = {"char_dense", "char_halting_l0", "char_halting_l0002", "char_halting_st_e3_s45", "char_early_exit", "char_mod",
+         "char_random", "char_stride", "char_g1", "char_g3_util_rank"}
 QUICK_STEPS_SCALE = 0.25
 # The halting paper's operating point: this range of token-layer ops saved at a hard-mode loss
 # increase over dense below this (relative).
@@ -224,16 +229,18 @@ def lands(loss: float, dense_loss: float, tlops_saved: float) -> bool:
 
 def halting_table(dense: Run, runs: list[Run], times: dict[str, float]) -> tuple[list[str], list[list[str]]]:
     """(a) Dense vs halting; `times`: forward ms by run name (hard mode; dense as is)."""
-    header = ["run", "init_bias", "lambda", "tau", "soft loss (val/loss_soft)", "hard loss (eval/loss)",
+    header = ["run", "training forward", "init_bias", "lambda", "target skip", "tau",
+              "training-mode loss (val/loss_soft)", "hard loss (eval/loss)",
               "soft-hard gap", "TLOps saved", "hard loss vs dense", "operating point", "forward ms",
               "forward vs dense", "train s"]
     d = dense.get(names.LOSS)
-    rows = [[dense.name, "-", "-", "-", "-", _f(d), "-", _f(0.0, ".1%"), "-", "-", _f(times.get(dense.name), ".1f"),
+    rows = [[dense.name, "-", "-", "-", "-", "-", "-", _f(d), "-", _f(0.0, ".1%"), "-", "-", _f(times.get(dense.name), ".1f"),
              "1.00x" if dense.name in times else "-", _f(dense.seconds, ".0f")]]
     for r in runs:
         h, loss, s = r.cfg.routing.halting, r.get(names.LOSS), saved(r)
         t = times.get(r.name)
-        rows.append([r.name, f"{h.init_bias:g}", f"{h.penalty:g}", f"{h.tau:g}", _f(r.get("val/loss_soft")), _f(loss),
+        rows.append([r.name, h.train_forward, f"{h.init_bias:g}", f"{h.penalty:g}", _f(h.target_skip, "g"), f"{h.tau:g}",
+                     _f(r.get("val/loss_soft")), _f(loss),
                      _f(r.get("val/soft_hard_gap"), "+.4f"), _f(s, ".1%"), _f(increase(loss, d), "+.2%"),
                      "**yes**" if lands(loss, d, s) else "no", _f(t, ".1f"),
                      "-" if t is None or dense.name not in times else f"{t / times[dense.name]:.2f}x",
@@ -290,8 +297,9 @@ def gates_table(dense: Run, runs: list[Run]) -> tuple[list[str], list[list[str]]
 
 
 TITLES = {
-    "halting": "(a) Dense vs halting (hard loss = eval/loss, tokens with p < tau skip the block; soft loss = "
-               "val/loss_soft, every block scaled by p; operating point: {saved_min:.0%}-{saved_max:.0%} TLOps saved "
+    "halting": "(a) Dense vs halting (hard loss = eval/loss, tokens with p < tau skip the block; training-mode "
+               "loss = val/loss_soft: with a soft training forward every token runs every block scaled by p, "
+               "with a hard one (train_forward: hard) it is the hard skip itself, equal to eval/loss; operating point: {saved_min:.0%}-{saved_max:.0%} TLOps saved "
                "at < {max_loss_increase:.1%} hard-loss increase over dense; forward ms: median of {repeats} "
                "repeats of the mean wall time of one forward over the {batches} validation batches of "
                "{batch} x {seq}, hard mode, loaded in-process, {threads} CPU thread(s))",

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from ..data.tokenizers import hf_vocab_size
 
@@ -22,6 +23,18 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str):
         self.path = path
         super().__init__(f"config key '{path}': {message}" if path else message)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'32GiB', '2.5GB', '512MiB', '1073741824' -> bytes (GiB = 2**30, GB = 10**9); ValueError otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m[2].lower() not in _SIZE_UNITS or float(m[1]) <= 0:
+        raise ValueError(f"not a memory size: {text!r} (write e.g. 32GiB, 2.5GB or 512MiB)")
+    return int(float(m[1]) * _SIZE_UNITS[m[2].lower()])
 
 
 def _require(cond: bool, path: str, message: str) -> None:
@@ -143,11 +156,24 @@ class HaltingConfig:
     tau: float = 0.5
     # Initial bias of the last gate layer: sigmoid(init_bias) is the starting p (open by default).
     init_bias: float = 2.0
+    # The training forward. "soft": every token runs the block, its update scaled by p (hard
+    # inference then differs from training). "hard": training runs what hard inference runs (tokens
+    # with p < tau skip the block, kept tokens get the whole update); the gate learns through a
+    # straight-through weight (value 1, gradient of p).
+    train_forward: Literal["soft", "hard"] = "soft"
+    # None: the penalty is lambda * mean(p). A fraction: each gated layer's penalty is
+    # lambda * (executed fraction - (1 - target_skip))^2, its gradient through mean(p), which
+    # pushes the fraction of tokens skipping the block (p < tau) toward target_skip from both sides.
+    target_skip: Optional[float] = None
 
     def validate(self, path: str) -> None:
         _require(self.hidden > 0, f"{path}.hidden", f"must be > 0, got {self.hidden}")
         _require(self.penalty >= 0, f"{path}.penalty", f"must be >= 0, got {self.penalty}")
         _require(0.0 <= self.tau <= 1.0, f"{path}.tau", f"must be in [0, 1], got {self.tau}")
+        _require(self.target_skip is None or 0.0 <= self.target_skip < 1.0, f"{path}.target_skip",
+                 f"must be in [0, 1) or null, got {self.target_skip}")
+        _require(self.target_skip is None or self.penalty > 0, f"{path}.penalty",
+                 "must be > 0 when target_skip is set (it weighs the budget term)")
 
 
 @dataclass
@@ -166,12 +192,50 @@ class EarlyExitConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN (routing.method moe, mode_staged, mode_integrated; model/routing/moe.py)."""
+
+    num_experts: int = 8
+    # "token_choice": each token picks its top_k experts (Switch k=1, GShard k=2); "expert_choice":
+    # each expert picks its top-C tokens of the sequence (sees the future: causal mode thresholds).
+    router: Literal["token_choice", "expert_choice"] = "token_choice"
+    # Experts per token (expert choice: on average).
+    top_k: int = 1
+    # Per-sequence expert capacity C = min(n, ceil(capacity_factor * n * top_k / num_experts)) on n
+    # tokens; token choice drops the assignments past C (priority by position); null = no limit
+    # (token choice only).
+    capacity_factor: Optional[float] = 1.25
+    # Hidden units of each routed expert (a SwiGLU); null = model.ffn_hidden.
+    expert_hidden: Optional[int] = None
+    # Always-on experts of expert_hidden units each, run by every token the layer processes.
+    shared_experts: int = 0
+    # Switch load-balancing loss (num_experts * sum_e f_e * P_e) and ST-MoE router z-loss weights.
+    balance_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    def validate(self, path: str) -> None:
+        _require(self.num_experts >= 1, f"{path}.num_experts", f"must be >= 1, got {self.num_experts}")
+        _require(1 <= self.top_k <= self.num_experts, f"{path}.top_k",
+                 f"must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        _require(self.capacity_factor is None or self.capacity_factor > 0, f"{path}.capacity_factor",
+                 f"must be > 0 or null, got {self.capacity_factor}")
+        _require(self.capacity_factor is not None or self.router == "token_choice", f"{path}.capacity_factor",
+                 "expert_choice routing needs a capacity factor (each expert takes C tokens)")
+        _require(self.expert_hidden is None or self.expert_hidden > 0, f"{path}.expert_hidden",
+                 f"must be > 0 or null, got {self.expert_hidden}")
+        _require(self.shared_experts >= 0, f"{path}.shared_experts", f"must be >= 0, got {self.shared_experts}")
+        for name in ("balance_loss_weight", "z_loss_weight"):
+            _require(getattr(self, name) >= 0, f"{path}.{name}", f"must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
 class RoutingConfig:
     # A registered routing method (ROUTING_METHODS). "none" = dense. Capacity routers (route ->
     # gather -> block -> combine at routed blocks): "mod" = Mixture-of-Depths expert-choice top-k;
     # baselines at the same capacity: "random", "stride" (every round(1/capacity)-th position),
     # "first_k" (the first k positions). "depth_gate" = cheap/full FFN; "halting" = token-selective
-    # halting gates; "early_exit" = per-token exit after routed blocks.
+    # halting gates; "early_exit" = per-token exit after routed blocks; "moe" = Mixture-of-Experts FFN,
+    # "mode_staged" / "mode_integrated" = MoD with MoE (routing.moe; model/routing/moe.py).
     method: str = "none"
     # Fraction of tokens per sequence that a routed block processes.
     capacity: float = 0.125
@@ -193,6 +257,7 @@ class RoutingConfig:
     depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
     halting: HaltingConfig = field(default_factory=HaltingConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     # Token movement (gather / combine / path permute) in routed layers: "triton" = fused kernels,
     # "torch" = the PyTorch reference, "auto" = Triton for CUDA tensors, PyTorch otherwise.
     dispatch: Literal["auto", "torch", "triton"] = "auto"
@@ -212,6 +277,7 @@ class RoutingConfig:
         self.depth_gate.validate(f"{path}.depth_gate")
         self.halting.validate(f"{path}.halting")
         self.early_exit.validate(f"{path}.early_exit")
+        self.moe.validate(f"{path}.moe")
 
     def is_routed(self, layer: int) -> bool:
         return self.method != "none" and layer % self.every == self.offset
@@ -355,6 +421,13 @@ class TrainConfig:
     controller_only: bool = False
     # eval/loss values whose first hit step is recorded (metric eval/threshold_hit_step/<value>).
     loss_thresholds: list[float] = field(default_factory=list)
+    # Pre-flight memory check, before any process group or data preparation (megaroute/memory.py):
+    # "error" exits 2 when the estimate exceeds the device's free memory, "warn" prints and goes on.
+    # (YAML reads a bare `off` as false: accepted as "off".)
+    preflight: Union[Literal["warn", "error", "off"], bool] = "error"
+    # Memory of one device that check compares against, e.g. "24GiB", "16GB" or bytes; None = detect
+    # it (CUDA: free memory; CPU: available RAM / local ranks).
+    device_memory: Union[int, str, None] = None
 
     def validate(self, path: str) -> None:
         for name in ("micro_batch_size", "global_batch_size", "max_steps", "eval_interval",
@@ -368,6 +441,14 @@ class TrainConfig:
         _require(self.exit_interval is None or self.exit_interval > 0, f"{path}.exit_interval", "must be > 0")
         _require(all(t > 0 for t in self.loss_thresholds), f"{path}.loss_thresholds",
                  f"must all be > 0, got {self.loss_thresholds}")
+        _require(self.preflight is not True, f"{path}.preflight", "must be 'warn', 'error' or 'off', got true")
+        if self.preflight is False:
+            self.preflight = "off"
+        if self.device_memory is not None:
+            try:
+                parse_size(self.device_memory)
+            except ValueError as e:
+                raise ConfigError(f"{path}.device_memory", str(e)) from None
 
 
 @dataclass

@@ -53,7 +53,8 @@ def test_halting_table():
     assert rows[0][col["hard loss (eval/loss)"]] == "2.0000" and rows[0][col["forward vs dense"]] == "1.00x"
     assert rows[1][col["TLOps saved"]] == "18.0%" and rows[1][col["hard loss vs dense"]] == "+0.30%"
     assert rows[1][col["operating point"]] == "**yes**" and rows[1][col["forward vs dense"]] == "0.85x"
-    assert rows[1][col["lambda"]] == "0" and rows[1][col["soft loss (val/loss_soft)"]] == "1.9900"
+    assert rows[1][col["lambda"]] == "0" and rows[1][col["training-mode loss (val/loss_soft)"]] == "1.9900"
+    assert rows[1][col["training forward"]] == "soft" and rows[1][col["target skip"]] == "-"
     assert rows[2][col["operating point"]] == "no" and rows[2][col["forward ms"]] == "-"
     assert rows[2][col["TLOps saved"]] == "80.0%" and rows[2][col["soft-hard gap"]] == "+0.8400"
 

@@ -205,3 +205,86 @@ def test_evaluation_modes_are_causal(make_model, mode):
     stats = model(tokens, options=ForwardOptions(mode=mode)).routing_stats
     assert all(0 < stats[f"layer_{i}/exec_frac"].item() < 1 for i in (1, 3))
     assert_causal(lambda t: model(t, options=ForwardOptions(mode=mode)).logits, tokens, cfg.model.vocab_size)
+
+
+# ----------------------------------------------------------------------------- hard training forward
+
+HARD_TRAIN = (*HALT, "routing.halting.train_forward=hard")
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_hard_training_forward_equals_hard_inference(make_model, mode):
+    model, cfg = make_model(*HARD_TRAIN)
+    spread_gates(model)
+    tokens = tokens_for(cfg, 3, 13)
+    hard = model(tokens, options=ForwardOptions(mode="hard"))
+    train = model(tokens, options=ForwardOptions(mode=mode))
+    assert torch.equal(train.logits, hard.logits)  # the straight-through weight's value is exactly 1
+    assert 0 < train.routing_stats["tlops_frac"].item() < 1
+    assert train.routing_stats["tlops_frac"].item() == hard.routing_stats["tlops_frac"].item()
+
+
+def test_hard_training_straight_through_gradient(make_model):
+    """d out / d p = the block's update (on the kept tokens alone) for kept tokens; skipped: 0."""
+    model, cfg = make_model(*HARD_TRAIN)
+    spread_gates(model)
+    layer = model.layers[1]
+    B, T = 2, 12
+    x = torch.randn(B, T, cfg.model.d_model)
+    p = layer.halt(x).detach().requires_grad_()
+    layer.halt.forward = lambda _: p  # the instance attribute shadows the module's forward
+    out, ctx = run_layer(layer, model.rope, x, "topk")
+    runs = p >= 0.5
+    assert 0 < runs.sum() < runs.numel()
+    g = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * g).sum(), p)
+    assert torch.equal(grad[~runs], torch.zeros_like(grad[~runs]))
+    for b in range(B):
+        sel = runs[b].nonzero().squeeze(-1)
+        u = layer.block.update(x[b: b + 1, sel], Positions(model.rope, sel.unsqueeze(0)))[0]
+        torch.testing.assert_close(grad[b, sel], (u * g[b, sel]).sum(-1), rtol=1e-4, atol=1e-5)
+    assert ctx.aux_losses == {}  # penalty 0
+
+
+@pytest.mark.parametrize("train_forward", ["soft", "hard"])
+def test_target_skip_penalty(make_model, train_forward):
+    """lambda * (f - (1 - s))^2, f = fraction with p >= tau; its gradient 2 lambda (f - (1 - s)) d mean(p)."""
+    lam, s = 0.7, 0.25
+    model, cfg = make_model(*HALT, f"routing.halting.train_forward={train_forward}",
+                            f"routing.halting.penalty={lam}", f"routing.halting.target_skip={s}")
+    spread_gates(model)
+    layer = model.layers[1]
+    x = torch.randn(2, 12, cfg.model.d_model, requires_grad=True)
+    p = layer.halt(x)
+    f = (p >= 0.5).float().mean()
+    assert 0 < f < 1
+    _, ctx = run_layer(layer, model.rope, x, "topk")
+    penalty = ctx.aux_losses["l/depth_penalty"]
+    torch.testing.assert_close(penalty, lam * (f - (1 - s)) ** 2)
+    grad, grad_x = torch.autograd.grad(penalty, [layer.halt.bias, x], allow_unused=True)
+    (dmean,) = torch.autograd.grad(p.mean(), layer.halt.bias)
+    torch.testing.assert_close(grad, 2 * lam * (f - (1 - s)) * dmean)
+    # the hard training forward's gate reads a stop-gradient copy of x; the soft one's gradient is exact
+    assert (grad_x is None) == (train_forward == "hard")
+
+
+@pytest.mark.parametrize("init_bias, push", [(3.0, "down"), (-3.0, "up")])
+def test_target_skip_pushes_toward_the_target_from_both_sides(make_model, init_bias, push):
+    model, cfg = make_model(*HALT, "routing.halting.penalty=1.0", "routing.halting.target_skip=0.2",
+                            f"routing.halting.init_bias={init_bias}")  # executes all (3) or none (-3)
+    out = model(tokens_for(cfg, 2, 16), tokens_for(cfg, 2, 16))
+    grads = torch.autograd.grad(sum(out.aux_losses.values()), [layer.halt.bias for layer in halting_layers(model)])
+    assert all((g > 0) if push == "down" else (g < 0) for g in grads)
+
+
+def test_new_keys_validated_and_old_configs_keep_their_meaning(make_config):
+    from megaroute.config import ConfigError
+
+    cfg = make_config(*HALT)
+    assert cfg.routing.halting.train_forward == "soft" and cfg.routing.halting.target_skip is None
+    with pytest.raises(ConfigError, match="routing.halting.target_skip"):
+        make_config(*HALT, "routing.halting.penalty=1.0", "routing.halting.target_skip=1.0")
+    with pytest.raises(ConfigError, match="routing.halting.penalty"):
+        make_config(*HALT, "routing.halting.target_skip=0.2")  # penalty 0: the target would do nothing
+    with pytest.raises(ConfigError, match="routing.halting.train_forward"):
+        make_config(*HALT, "routing.halting.train_forward=straight")
