@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import venv
 
 import pytest
@@ -26,6 +25,7 @@ from megaroute.hf.convert import convert
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
 
+from ..lm_eval_tasks import multiple_choice_task
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -80,30 +80,6 @@ def _fresh_venv(where) -> str:
     return python
 
 
-def _tiny_task(where) -> str:
-    tasks = where / "tasks"
-    tasks.mkdir()
-    docs = [{"context": "First Citizen:\nYou are all resolved rather to", "choices": [" die", " eat"], "label": 0},
-            {"context": "Speak, speak", "choices": ["!", "?"], "label": 0},
-            {"context": "We know't, we know", "choices": ["'t.", "it."], "label": 0}]
-    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "megaroute_tiny.yaml").write_text(textwrap.dedent(f"""\
-        task: megaroute_tiny
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {tasks / 'docs.jsonl'}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{context}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: label
-        metric_list:
-          - metric: acc
-        """))
-    return str(tasks)
-
-
 @torch.no_grad()
 def test_converted_models_in_a_fresh_venv_without_megaroute(tmp_path, make_model):
     text = (REPO / "data/tinyshakespeare.txt").read_text()[:20000]
@@ -127,7 +103,7 @@ def test_converted_models_in_a_fresh_venv_without_megaroute(tmp_path, make_model
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"))
     res = subprocess.run([python, "-c", SCRIPT, json.dumps(models), str(tmp_path / "tokens.pt"),
-                          str(tmp_path / "theirs.pt"), _tiny_task(tmp_path)],
+                          str(tmp_path / "theirs.pt"), str(multiple_choice_task(tmp_path))],
                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     report = json.loads(res.stdout.split("REPORT ", 1)[1])

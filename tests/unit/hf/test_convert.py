@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from megaroute.hf.convert import convert
 from megaroute.hf.reader import ConversionError
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
+
+from ...lm_eval_tasks import multiple_choice_task
 
 REPO = str(Path(__file__).resolve().parents[3])
 TEXT = open(os.path.join(REPO, "data/tinyshakespeare.txt")).read()[:20000]
@@ -258,38 +259,13 @@ def test_cli_reports_errors(make_run, tmp_path, char_tok, capsys):
     assert "already exists; pass --force" in capsys.readouterr().err
 
 
-def _tiny_task(tmp_path):
-    """A local lm-eval multiple-choice task (offline); returns its directory (task name megaroute_tiny)."""
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    docs = [{"context": "First Citizen:\nYou are all resolved rather to", "choices": [" die", " eat"], "label": 0},
-            {"context": "Speak, speak", "choices": ["!", "?"], "label": 0},
-            {"context": "We know't, we know", "choices": ["'t.", "it."], "label": 0}]
-    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "megaroute_tiny.yaml").write_text(textwrap.dedent(f"""\
-        task: megaroute_tiny
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {tasks / 'docs.jsonl'}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{context}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: label
-        metric_list:
-          - metric: acc
-        """))
-    return tasks
-
-
 def test_lm_eval_harness_on_local_task(make_run, tmp_path, char_tok):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     run, _, _ = make_run("routing.method=mod")
     out = _convert(run, tmp_path / "hf", char_tok)
-    tasks = _tiny_task(tmp_path)
+    tasks = multiple_choice_task(tmp_path)
     results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True",
                                       tasks=["megaroute_tiny"], task_manager=TaskManager(include_path=str(tasks)),
                                       batch_size=2, device="cpu")  # lm-eval pads on the right
@@ -398,7 +374,7 @@ def test_dense_exports_native_llama_without_megaroute(make_run, tmp_path, char_t
     assert ("lm_head.weight" in names) is (not tie)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len))
     torch.save(tokens, tmp_path / "tokens.pt")
-    tasks = _tiny_task(tmp_path)
+    tasks = multiple_choice_task(tmp_path)
     paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
