@@ -30,6 +30,13 @@ def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx:
     # k = 0 still runs the block (on no tokens, at no cost): a module skipped on one data-parallel
     # rank only would leave ZeRO-3's parameter all-gathers out of step and hang the others.
     delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
+    return combine_padded(x, idx, weight, valid, delta, dispatcher=dispatcher)
+
+
+def combine_padded(x: torch.Tensor, idx: torch.Tensor, weight: Optional[torch.Tensor], valid: Optional[torch.Tensor],
+                   delta: torch.Tensor, *, dispatcher: Dispatcher) -> torch.Tensor:
+    """out = x;  out[b, idx[b, j]] += weight[b, j] * delta[b, j] (weight None = 1), padded rows
+    (valid False) contributing nothing."""
     if weight is None:
         weight = torch.ones(idx.shape, dtype=delta.dtype, device=delta.device)
     if valid is not None:

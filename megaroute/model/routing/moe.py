@@ -61,6 +61,7 @@ from ..rope import Positions
 from . import dispatch
 from .calibration import QuantileCut
 from .context import RoutingContext
+from .execute import combine_padded
 from .mod import MoDLayer
 from .mod import _flops as mod_flops
 from .spec import LayerFlops, MethodSpec, block_flops, capacity_budget, capacity_tokens
@@ -239,14 +240,7 @@ class StagedMoDELayer(MoDLayer):
         idx, valid, weight = self.select(x, ctx, name)
         delta = moe_update(self.block, self.moe, self.dispatcher.gather(x, idx), pos.select(idx, valid), ctx, name,
                            valid)
-        return _combine(self.dispatcher, x, idx, weight, valid, delta)
-
-
-def _combine(dispatcher, x, idx, weight, valid, delta):
-    if valid is not None:  # as execute.update_selected: padded rows contribute nothing
-        weight = torch.where(valid, weight, torch.zeros_like(weight))
-        delta = torch.where(valid.unsqueeze(-1), delta, torch.zeros_like(delta))
-    return dispatcher.combine(x, idx, weight, delta)
+        return combine_padded(x, idx, weight, valid, delta, dispatcher=self.dispatcher)
 
 
 class IntegratedMoDELayer(nn.Module):
@@ -285,7 +279,8 @@ class IntegratedMoDELayer(nn.Module):
         y = self.moe.experts(u, sel_g, reference.gather(gate, idx))
         if blk.mlp is not None:
             y = y + blk.mlp_update(u)
-        return _combine(self.dispatcher, x, idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device), valid, a + y)
+        return combine_padded(x, idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device), valid, a + y,
+                              dispatcher=self.dispatcher)
 
 
 def active_params(model: nn.Module, routing: RoutingConfig, T: int) -> int:
