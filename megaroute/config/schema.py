@@ -288,10 +288,13 @@ class ParallelConfig:
     tp: int = 1
     # Data-parallel size; 0 derives it as world_size // tp.
     dp: int = 0
+    # Expert-parallel degree (MoE/MoDE): carved from the data-parallel ranks, each holds E / ep experts.
+    ep: int = 1
     activation_checkpointing: bool = False
 
     def validate(self, path: str) -> None:
         _require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
+        _require(self.ep >= 1, f"{path}.ep", f"must be >= 1, got {self.ep}")
         _require(self.dp >= 0, f"{path}.dp", f"must be >= 0 (0 = derive from world size), got {self.dp}")
 
     def check_model(self, model: ModelConfig) -> None:
@@ -419,6 +422,10 @@ class TrainConfig:
     # Controller-only training: freeze the base model (load it with checkpoint.init_from) and
     # train only the routing controller (routers, gates, predictors, cheap FFNs, exit heads).
     controller_only: bool = False
+    # torch.compile each block's dense math (Transformer.compile_blocks; the routing glue stays eager).
+    # Needs ZeRO stage <= 2 and no tensor parallelism (ZeRO-3's parameter hooks and TP's collectives
+    # are not traced).
+    compile: bool = False
     # eval/loss values whose first hit step is recorded (metric eval/threshold_hit_step/<value>).
     loss_thresholds: list[float] = field(default_factory=list)
     # Pre-flight memory check, before any process group or data preparation (megaroute/memory.py):
@@ -524,7 +531,13 @@ class Config:
                      f"and n_layers={self.model.n_layers}")
         spec = ROUTING_METHODS[self.routing.method]
         if spec.check_config is not None:
-            spec.check_config(self)
+            spec.check_config(self)  # the MoE methods check parallel.ep against the experts
+        _require(self.parallel.ep == 1 or self.routing.method in ("moe", "mode_staged", "mode_integrated"),
+                 "parallel.ep", f"expert parallelism needs an MoE routing.method (moe, mode_staged, "
+                                f"mode_integrated), got {self.routing.method!r} with ep={self.parallel.ep}")
+        if self.train.compile:
+            _require(self.optim.zero_stage <= 2, "train.compile", f"needs optim.zero_stage <= 2, got {self.optim.zero_stage}")
+            _require(self.parallel.tp == 1, "train.compile", f"needs parallel.tp 1, got {self.parallel.tp}")
         if self.train.controller_only:
             _require(spec.has_controller, "train.controller_only",
                      f"routing.method {self.routing.method!r} has no trainable controller")

@@ -6,6 +6,8 @@ checkpoint a path names is decided by `train.checkpoint.resolve_checkpoint`.
     runs/<name>/checkpoints/latest              tag of the newest committed checkpoint
     runs/<name>/checkpoints/<tag>/              mp_rank_XX_model_states.pt              ZeRO 0-2 (full weights per TP rank)
                                                 zero_pp_rank_D_mp_rank_XX_*_states.pt   ZeRO-3 (weights only as fp32 partitions)
+                                                layer_L_expert_E_mp_rank_XX_model_states.pt   parallel.ep > 1: one MoE
+                                                    expert each (the model-states file holds EP rank 0's only)
 
 Files are opened with torch.load(mmap=True): a tensor's pages are read when it is used, so
 converting one tensor at a time never holds a second copy of the checkpoint. ZeRO-3 weights are
@@ -30,7 +32,9 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, config_hash, load_config
-from ..train.checkpoint import MANIFEST, MODEL_STATES, CheckpointError, resolve_checkpoint, verify
+from ..model import build_model
+from ..train.checkpoint import (MANIFEST, MODEL_STATES, CheckpointError, load_experts, moe_layers, resolve_checkpoint,
+                                verify)
 from .adapter import StateDictAdapter
 
 # A bf16 engine prefixes its optimizer partitions: bf16_zero_pp_rank_D_mp_rank_XX_optim_states.pt.
@@ -167,8 +171,22 @@ def rank_state_dicts(src: CheckpointSource) -> list[dict]:
             if not module:
                 raise ConversionError(f"{f}: holds no model weights ('module' is empty)")
             out.append(module)
+        if src.config.parallel.ep > 1:
+            _gather_experts(src, out)
         return out
     return [_zero3_rank(src, mp) for mp in range(src.tp)]
+
+
+def _gather_experts(src: CheckpointSource, ranks: list[dict]) -> None:
+    """Expert parallelism: every MoE layer's full expert stacks [E, ...] from the per-expert files, in
+    place of the EP-rank-0 slice the model-states files hold."""
+    layers = moe_layers(build_model(src.config.model, src.config.routing, device="meta"))
+    for mp, module in enumerate(ranks):
+        for layer_id, (prefix, m) in enumerate(layers):
+            try:
+                module.update(load_experts(src.tag_dir, layer_id, prefix, range(m.num_experts), mp, mmap=True))
+            except CheckpointError as e:
+                raise ConversionError(str(e)) from None
 
 
 def _zero3_rank(src: CheckpointSource, mp: int) -> dict:

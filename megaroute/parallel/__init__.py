@@ -1,5 +1,6 @@
-"""Tensor and data parallelism: the validated layout (also DeepSpeed's mpu), TP layers and the
-autograd collectives they are built from. Process groups are always passed explicitly."""
+"""Tensor, data and expert parallelism: the validated layout (also DeepSpeed's mpu), TP layers, the
+autograd collectives they are built from, and the MoE experts' all_to_all exchange (experts.py).
+Process groups are always passed explicitly."""
 
 from .layers import (ColumnParallelLinear, RowParallelLinear, TensorParallelModule, VocabParallelEmbedding,
                      parallel_argmax, shard_dim, shard_full_state_dict, vocab_parallel_cross_entropy)

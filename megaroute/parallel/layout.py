@@ -3,6 +3,10 @@
     rank = dp_rank * tp + tp_rank
     TP groups: consecutive ranks  [0, 1], [2, 3], ...   (tensor parallelism stays inside a node)
     DP groups: strided ranks      [0, 2], [1, 3], ...   (ZeRO reduces/partitions over these only)
+    EP groups (ep > 1, MoE): ep consecutive DP ranks of one TP lane: ep_rank = dp_rank % ep
+    expert-DP groups: the DP ranks of one lane with the same ep_rank (dp / ep of them), over which
+        the expert gradients are averaged (DeepSpeed's E + D convention; the groups themselves are
+        created by DeepSpeed's groups API in train/engine.py and handed back with set_expert_groups)
 
 Everything that can be wrong (sizes vs. the world, model dims vs. tp) is checked when the layout
 is built, before any process group exists. `init_process_groups()` then creates the groups (a
@@ -27,15 +31,21 @@ class ParallelLayout:
     tp: int
     dp: int
     rank: int = 0
+    ep: int = 1
     _tp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     _dp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     _groups_ready: bool = field(default=False, init=False, repr=False)
+    _ep_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
+    _edp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.tp < 1:
             raise ConfigError("parallel.tp", f"must be >= 1, got {self.tp}")
         if self.dp < 1:
             raise ConfigError("parallel.dp", f"must be >= 1, got {self.dp}")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ConfigError("parallel.ep", f"ep={self.ep} must be >= 1 and divide the data-parallel size "
+                                             f"dp={self.dp} (expert-parallel ranks are carved from the DP ranks)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside the world of {self.world_size} = tp {self.tp} x dp {self.dp}")
 
@@ -55,7 +65,7 @@ class ParallelLayout:
                                              f"{world_size}")
         if model is not None:
             parallel.check_model(model)
-        return cls(tp=tp, dp=dp, rank=rank)
+        return cls(tp=tp, dp=dp, rank=rank, ep=parallel.ep)
 
     # ---- pure arithmetic (no process group needed) ----
     @property
@@ -77,6 +87,39 @@ class ParallelLayout:
     def dp_group_ranks(self, tp_rank: Optional[int] = None) -> list[int]:
         t = self.tp_rank if tp_rank is None else tp_rank
         return list(range(t, self.world_size, self.tp))
+
+    @property
+    def ep_rank(self) -> int:
+        """Which slice of the experts this rank holds: experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    def ep_group_ranks(self) -> list[int]:
+        first = self.expert_dp_rank * self.ep
+        return [(first + e) * self.tp + self.tp_rank for e in range(self.ep)]
+
+    def expert_dp_group_ranks(self) -> list[int]:
+        return [(d * self.ep + self.ep_rank) * self.tp + self.tp_rank for d in range(self.dp // self.ep)]
+
+    def set_expert_groups(self, ep_group: dist.ProcessGroup, edp_group: dist.ProcessGroup,
+                          ep_ranks: list[int], edp_ranks: list[int]) -> None:
+        """The groups DeepSpeed created (train/engine.py), checked against this layout's arithmetic."""
+        if list(ep_ranks) != self.ep_group_ranks() or list(edp_ranks) != self.expert_dp_group_ranks():
+            raise RuntimeError(f"rank {self.rank}: DeepSpeed's expert groups {list(ep_ranks)} / {list(edp_ranks)} differ "
+                               f"from the layout's {self.ep_group_ranks()} / {self.expert_dp_group_ranks()}")
+        self._ep_group, self._edp_group = ep_group, edp_group
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """The expert-parallel group (None at ep = 1: every rank holds every expert)."""
+        if self.ep == 1:
+            return None
+        if self._ep_group is None:
+            raise RuntimeError("expert groups not created: train.engine.init_expert_groups(layout) first")
+        return self._ep_group
 
     # ---- process groups ----
     def init_process_groups(self) -> "ParallelLayout":

@@ -35,12 +35,17 @@ import torch
 from ..config import ConfigError
 from ..hashing import sha256_file
 from ..model.routing import is_controller_param
+from ..model.routing.moe import MoEFFN
 from ..parallel import collectives, shard_full_state_dict
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TAG_RE = re.compile(r"^step_(\d+)$")
 MODEL_STATES = "mp_rank_{:02d}_model_states.pt"  # DeepSpeed's weights file of one TP rank (ZeRO 0-2)
+# One expert of one MoE layer (DeepSpeed's expert-file name, engine._get_expert_ckpt_name): written with
+# expert parallelism, where each model-states file holds only its EP rank's experts.
+EXPERT_STATES = "layer_{}_expert_{}_mp_rank_{:02d}_model_states.pt"
+EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 CHECKPOINTS = "checkpoints"  # checkpoint.dir's default: where a run directory keeps its checkpoints
 
 
@@ -264,6 +269,7 @@ def load_init_weights(model: torch.nn.Module, path: str, controller_only: bool =
     if not weights:
         raise ConfigError("checkpoint.init_from", f"{path} holds no model weights (a ZeRO-3 checkpoint? convert "
                                                   "it with DeepSpeed's zero_to_fp32 first)")
+    weights = _with_all_experts(model, weights, os.path.dirname(os.path.abspath(path)))
     try:  # a tensor-parallel model keeps its slice of each full (single-process) tensor
         weights = shard_full_state_dict(model, weights)
     except ValueError as e:
@@ -277,6 +283,72 @@ def load_init_weights(model: torch.nn.Module, path: str, controller_only: bool =
     if base_missing:
         raise ConfigError("checkpoint.init_from", f"{path} lacks base weights {base_missing[:5]}"
                           + (" (controller-only training would train on a random base)" if controller_only else ""))
+
+
+# ---------------------------------------------------------------- expert-parallel weights
+
+
+def moe_layers(model: torch.nn.Module) -> list[tuple[str, MoEFFN]]:
+    """(state-dict prefix, layer) of every MoE FFN, in module order (the `layer_<i>` of EXPERT_STATES)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoEFFN)]
+
+
+def save_experts(model: torch.nn.Module, tag_dir: str, mp_rank: int = 0) -> None:
+    """This rank's experts, one file per expert (EXPERT_STATES, keys as in the full state dict). Only the
+    first rank of each expert-data-parallel group writes: the others hold the same experts."""
+    for layer_id, (prefix, m) in enumerate(moe_layers(model)):
+        if m.ep_group is None or not m.expert_writer:
+            continue
+        for e in range(m.num_local_experts):
+            weights = {f"{prefix}.{w}": getattr(m, w)[e].detach().clone() for w in EXPERT_WEIGHTS}
+            global_id = m.ep_rank * m.num_local_experts + e
+            torch.save(weights, os.path.join(tag_dir, EXPERT_STATES.format(layer_id, global_id, mp_rank)))
+
+
+def load_experts(tag_dir: str, layer_id: int, prefix: str, experts: range, mp_rank: int = 0,
+                 mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The stacked weights [len(experts), ...] of `experts` of one MoE layer from their EXPERT_STATES files."""
+    parts: dict[str, list[torch.Tensor]] = {f"{prefix}.{w}": [] for w in EXPERT_WEIGHTS}
+    for e in experts:
+        path = os.path.join(tag_dir, EXPERT_STATES.format(layer_id, e, mp_rank))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing expert file (a checkpoint saved with parallel.ep > 1 keeps "
+                                  "each expert in its own file)")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        for key, tensors in parts.items():
+            if key not in state:
+                raise CheckpointError(f"{path}: no tensor {key!r} (has {sorted(state)})")
+            tensors.append(state[key])
+    return {key: torch.stack(tensors) for key, tensors in parts.items()}
+
+
+def _with_all_experts(model: torch.nn.Module, weights: dict, tag_dir: str) -> dict:
+    """init_from an expert-parallel checkpoint: its model-states file holds EP rank 0's experts only;
+    the full stacks come from the per-expert files beside it."""
+    out = dict(weights)
+    for layer_id, (prefix, m) in enumerate(moe_layers(model)):
+        key = f"{prefix}.{EXPERT_WEIGHTS[0]}"
+        if key in out and out[key].shape[0] < m.num_experts:
+            try:
+                out.update(load_experts(tag_dir, layer_id, prefix, range(m.num_experts)))
+            except CheckpointError as e:
+                raise ConfigError("checkpoint.init_from", str(e)) from None
+    return out
+
+
+def _expert_load_fn(tag_dir: str, mp_rank: int):
+    """DeepSpeed's custom_load_fn: the model-states file holds EP rank 0's experts; each rank's own come
+    from the expert files (ZeRO 1/2 restore their fp32 copies from the rank's optimizer partitions)."""
+
+    def load(src: dict, dst: torch.nn.Module) -> None:
+        state = dict(src)
+        for layer_id, (prefix, m) in enumerate(moe_layers(dst)):
+            per = m.num_local_experts
+            state.update(load_experts(tag_dir, layer_id, prefix, range(m.ep_rank * per, (m.ep_rank + 1) * per),
+                                      mp_rank))
+        dst.load_state_dict(state, strict=True)
+
+    return load
 
 
 # ---------------------------------------------------------------- saving and resuming
@@ -332,6 +404,7 @@ class CheckpointManager:
             shutil.rmtree(tag_dir)  # a leftover (or a replaced checkpoint) of the same step
         self._barrier()
         engine.save_checkpoint(self.root, tag=tag, client_state=client_state, save_latest=False)
+        save_experts(engine.module, tag_dir, getattr(engine, "checkpoint_mp_rank", 0))
         torch.save(rng_state(), os.path.join(tag_dir, f"rank_{self.rank:05d}.pt"))
         self._barrier()
         if self.rank == 0:
@@ -402,8 +475,11 @@ class CheckpointManager:
 
     def load(self, engine, tag: str) -> dict:
         """Collective: restores engine, optimizer and LR schedule state, and this rank's RNG."""
+        sharded = any(m.ep_group is not None for _, m in moe_layers(engine.module))
+        custom = _expert_load_fn(os.path.join(self.root, tag), getattr(engine, "checkpoint_mp_rank", 0)) \
+            if sharded else None
         path, client_state = engine.load_checkpoint(self.root, tag=tag, load_optimizer_states=True,
-                                                    load_lr_scheduler_states=True)
+                                                    load_lr_scheduler_states=True, custom_load_fn=custom)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint {tag} from {self.root}")
         rng_path = os.path.join(self.root, tag, f"rank_{self.rank:05d}.pt")

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import Config, ConfigError
 from ..parallel import ParallelLayout, collectives
+from ..parallel.experts import group_name, is_expert_param
 from .env import DistEnv, unlink_shm_buffer
 from .optim import GuardedAdamW, lr_lambda, param_groups
 
@@ -72,6 +73,51 @@ def init_distributed(env: DistEnv) -> None:
     unlink_shm_buffer(env)
 
 
+def init_expert_groups(layout: ParallelLayout) -> None:
+    """Expert parallelism (layout.ep > 1): DeepSpeed's expert and expert-data-parallel groups, made by
+    its own groups API (collective), handed to the layout, which checks them against its arithmetic."""
+    from deepspeed.utils import groups
+
+    if layout.tp > 1:
+        groups.mpu = layout  # what the engine sets from mpu= later; the group builder reads it now
+        groups._create_expert_data_and_model_parallel(layout.ep, mpu=layout)
+        # That builder assumes experts sharded over TP as well; ours are replicated over it (moe.py), so
+        # DeepSpeed must not sum their norms over the TP group (runtime.utils.get_global_norm_of_tensors).
+        groups.expert_tensor_parallel_world_size = 1
+    else:
+        groups._create_expert_and_data_parallel(layout.ep)
+    name = group_name(layout.ep)
+    layout.set_expert_groups(groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name),
+                             groups._get_expert_parallel_group_ranks(name),
+                             groups._get_expert_data_parallel_group_ranks(name))
+
+
+def expert_parallel_model(model: nn.Module, layout: ParallelLayout) -> int:
+    """Keeps this EP rank's experts of every MoE FFN (marked as DeepSpeed MoE parameters) and gives each
+    one a child DeepSpeed recognises as an MoE layer: `deepspeed.moe.layer.MoE` is how the engine turns
+    on its MoE paths (expert gradients averaged over the expert-data-parallel group, ZeRO 1/2
+    partitions per that group, expert broadcast at start). The child holds no parameters, so DeepSpeed
+    writes no expert files of its own (train/checkpoint.py writes them) and the state dict is unchanged.
+    Returns the number of MoE layers."""
+    from deepspeed.moe.layer import MoE
+
+    class ExpertParallelMarker(MoE):
+        def __init__(self, num_experts: int, ep: int):
+            nn.Module.__init__(self)  # none of MoE's own experts or gate
+            self.num_experts, self.ep_size = num_experts, ep
+            self.expert_group_name = group_name(ep)
+            self.num_local_experts = 0  # nothing for DeepSpeed's per-expert files to save or load
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass  # the groups exist already (init_expert_groups)
+
+    layers = [m for m in model.modules() if hasattr(m, "shard_experts")]
+    for moe in layers:
+        moe.shard_experts(layout.ep_group, layout.ep_rank, layout.ep, writer=layout.expert_dp_rank == 0)
+        moe.ds_moe = ExpertParallelMarker(moe.num_experts, layout.ep)
+    return len(layers)
+
+
 def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
                layout: Optional[ParallelLayout] = None):
     """Wraps model + optimizer + LR schedule in a DeepSpeed engine.
@@ -80,12 +126,23 @@ def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
     partitions state over the data-parallel group only, saves one model file per TP rank
     (mp_rank_XX) and counts TP-sharded parameters once per TP group in the grad norm. At tp = 1
     it is left out, so DeepSpeed keeps its default world group (the same math).
+    With expert parallelism (parallel.ep > 1) the model's experts are sharded over the EP group first
+    (`expert_parallel_model`) and the optimizer's parameter groups split into DeepSpeed MoE groups
+    (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer).
     """
     import deepspeed
 
     mpu = layout if layout is not None and layout.tp > 1 else None
 
-    groups = param_groups(model, cfg.optim.weight_decay)
+    if layout is not None and layout.ep > 1:
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        init_expert_groups(layout)
+        expert_parallel_model(model, layout)
+        named = [{**g, "name": n} for n, g in zip(("decay", "no_decay"), param_groups(model, cfg.optim.weight_decay))]
+        groups = split_params_into_different_moe_groups_for_optimizer(named)  # ZeRO finds the expert groups by name
+    else:
+        groups = param_groups(model, cfg.optim.weight_decay)
     optimizer = None
     if "optimizer" not in ds_config:
         o = cfg.optim
@@ -121,19 +178,26 @@ def grad_norms(groups: dict[str, list[torch.nn.Parameter]], device: torch.device
     """L2 norm of the full (unpartitioned) gradient of each named parameter group.
 
     Collective under ZeRO (DeepSpeed assembles partitioned gradients) and, with a TP group, over
-    it (TP-sharded parameters contribute their slices; replicated ones count once): every rank
-    must call it, after the last backward and before the optimizer step. Squared sums stay on
-    `device` (the engine's: the TP all-reduce runs there) and reach the host in one copy.
+    it (TP-sharded parameters contribute their slices; replicated ones count once), and with expert
+    parallelism over the EP group (each rank's experts contribute theirs): every rank must call it,
+    after the last backward and before the optimizer step. Squared sums stay on `device` (the
+    engine's: the all-reduces run there) and reach the host in one copy.
     """
-    from deepspeed.utils import safe_get_full_grad  # deepspeed is imported after DS_ACCELERATOR is set
+    from deepspeed.utils import groups as ds_groups, safe_get_full_grad  # imported after DS_ACCELERATOR is set
 
     names = sorted(groups)
-    sums = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # [replicated, tp-sharded]
+    sums = torch.zeros(len(names), 3, dtype=torch.float64, device=device)  # [replicated, tp-sharded, experts]
+    ep_group = None
     for i, name in enumerate(names):
-        buckets: tuple[list, list] = ([], [])
+        buckets: tuple[list, list, list] = ([], [], [])
         for p in groups[name]:
             g = safe_get_full_grad(p)
-            if g is not None:
+            if g is None:
+                continue
+            if is_expert_param(p):
+                ep_group = ds_groups._get_expert_parallel_group(p.group_name)
+                buckets[2].append(g.detach())
+            else:
                 buckets[int(getattr(p, "tensor_model_parallel", False))].append(g.detach())
         for j, grads in enumerate(buckets):
             if grads:
@@ -142,5 +206,7 @@ def grad_norms(groups: dict[str, list[torch.nn.Parameter]], device: torch.device
                 sums[i, j] = torch.stack(norms).to(device, torch.float64).pow(2).sum()
     if tp_group is not None:
         sums[:, 1] = collectives.all_reduce_(sums[:, 1].contiguous(), group=tp_group)
+    if ep_group is not None:  # every rank of the group holds expert parameters, so all take this branch
+        sums[:, 2] = collectives.all_reduce_(sums[:, 2].contiguous(), group=ep_group)
     totals = sums.sum(dim=1).sqrt().tolist()
     return {f"grad_norm/{name}": total for name, total in zip(names, totals)}

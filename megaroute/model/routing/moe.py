@@ -40,8 +40,18 @@ MoDE (Raposo et al., 2024, section 3.5):
     skip the block (attention included) bit for bit. The no-op's softmax mass lowers the real experts'
     scores and gates. Causal mode: per-expert calibrated thresholds, as expert choice above.
 
-Tensor parallelism is not supported (config check); activation checkpointing recomputes the
-attention piece only (experts and routers run once).
+Expert parallelism (parallel.ep > 1; train/engine.py shards a built model with `shard_experts`): each
+rank of an EP group (ep consecutive data-parallel ranks, DeepSpeed's convention: parallel/layout.py)
+keeps experts [r * E/ep, (r + 1) * E/ep) of the seeded full weights, marked as DeepSpeed MoE
+parameters; routing stays local (the router is replicated) and `experts` sends each expert's rows to
+the rank that holds it and the outputs back with all_to_all (parallel/experts.py; forward and
+backward equal the single-process layer). DeepSpeed averages the expert gradients over the
+expert-data-parallel group (dp / ep ranks); checkpoints keep one file per expert
+(train/checkpoint.py EXPERT_STATES). ep must divide num_experts and dp; ZeRO-3 is refused (DeepSpeed's
+MoE does not support it). Tensor parallelism composes: attention (and the vocabulary) is TP-sharded as
+in a dense block, routers, shared experts and routed experts are replicated over the TP group (each
+TP rank runs the same experts on the same rows), the experts sharded by EP only.
+Activation checkpointing recomputes the attention piece only (experts and routers run once).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from torch import nn
 from ...config import Config, ModelConfig, RoutingConfig
 from ...config.schema import ConfigError, MoEConfig
 from ...kernels import reference, resolve
+from ...parallel import experts as expert_parallel
 from ..block import TransformerBlock
 from ..mlp import SwiGLU
 from ..rope import Positions
@@ -103,10 +114,28 @@ class MoEFFN(nn.Module):
         self.w_down = nn.Parameter(torch.randn(E, h, d) * (std / math.sqrt(2 * model_cfg.n_layers)))
         uses_cuts = moe.router == "expert_choice" or router_outputs is not None
         self.cuts = nn.ModuleList(QuantileCut(cfg.threshold_momentum) for _ in range(E)) if uses_cuts else None
+        self.ep_group, self.ep_rank = None, 0  # expert parallelism: see shard_experts
 
     @property
     def num_experts(self) -> int:
+        """All experts of the layer (with expert parallelism this rank holds num_local_experts of them)."""
+        return self.cfg.num_experts
+
+    @property
+    def num_local_experts(self) -> int:
         return self.w_gate_up.shape[0]
+
+    @torch.no_grad()
+    def shard_experts(self, group, ep_rank: int, ep: int, writer: bool = True) -> None:
+        """Expert parallelism: keep experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of the full (seeded)
+        weights, marked as DeepSpeed MoE parameters; `experts` then exchanges rows over `group`.
+        `writer`: this rank saves these experts' checkpoint files (train/checkpoint.py)."""
+        per = self.num_experts // ep
+        for name in ("w_gate_up", "w_down"):
+            full = getattr(self, name)
+            local = nn.Parameter(full[ep_rank * per:(ep_rank + 1) * per].clone(), requires_grad=full.requires_grad)
+            setattr(self, name, expert_parallel.mark_expert_param(local, ep))
+        self.ep_group, self.ep_rank, self.expert_writer = group, ep_rank, writer
 
     def forward(self, u: torch.Tensor, ctx: RoutingContext, name: str,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,14 +219,21 @@ class MoEFFN(nn.Module):
         xs = kernels.permute_groups(flat, src)
         w = gate.reshape(B * n, E)[src, torch.repeat_interleave(torch.arange(counts.numel(), device=u.device),
                                                                    counts)]
+        if self.ep_group is None:
+            y = self._local_experts(xs, counts.tolist())
+        else:  # rows of expert e run on the EP rank that holds it (parallel/experts.py)
+            y = expert_parallel.exchange(xs, counts, self._local_experts, self.ep_group)
+        return kernels.unpermute_groups(torch.zeros_like(flat), src, w.to(u.dtype), y).view(B, n, D)
+
+    def _local_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on rows grouped by them (counts[e] rows for local expert e)."""
         ys = []
         # One matmul pair per expert on its contiguous rows; an empty expert still runs (on 0 rows) so
         # every weight takes part in backward on every rank.
-        for e, rows in enumerate(xs.split(counts.tolist())):
+        for e, rows in enumerate(xs.split(counts)):
             g, up = (rows @ self.w_gate_up[e]).chunk(2, dim=-1)
             ys.append((F.silu(g) * up) @ self.w_down[e])
-        y = torch.cat(ys) if ys else xs
-        return kernels.unpermute_groups(torch.zeros_like(flat), src, w.to(u.dtype), y).view(B, n, D)
+        return torch.cat(ys) if ys else xs
 
 
 def moe_update(blk: TransformerBlock, moe: MoEFFN, x: torch.Tensor, pos: Positions, ctx: RoutingContext,
@@ -290,7 +326,7 @@ def active_params(model: nn.Module, routing: RoutingConfig, T: int) -> int:
     for module in model.modules():
         if isinstance(module, MoEFFN):
             E = module.num_experts
-            per_expert = (module.w_gate_up.numel() + module.w_down.numel()) // E
+            per_expert = (module.w_gate_up.numel() + module.w_down.numel()) // module.num_local_experts
             if module.router.out_features > E:  # integrated MoDE: the experts' share of the run tokens
                 n = _integrated_tokens(routing, T)
                 used = E * integrated_capacity(T, routing) / n
@@ -364,9 +400,13 @@ def _integrated_budget(routing: RoutingConfig, T: int) -> float:
 
 
 def _check_config(cfg: Config) -> None:
-    if cfg.parallel.tp != 1:
-        raise ConfigError("parallel.tp", f"routing.method {cfg.routing.method!r}: MoE experts are not "
-                                         f"tensor-parallel; set parallel.tp=1, got {cfg.parallel.tp}")
+    ep, E = cfg.parallel.ep, cfg.routing.moe.num_experts
+    if E % ep:
+        raise ConfigError("parallel.ep", f"ep={ep} does not divide routing.moe.num_experts={E}: each "
+                                         "expert-parallel rank holds num_experts / ep experts")
+    if ep > 1 and cfg.optim.zero_stage > 2:
+        raise ConfigError("parallel.ep", f"ep={ep} needs optim.zero_stage <= 2, got {cfg.optim.zero_stage} "
+                                         "(DeepSpeed's MoE does not support ZeRO-3)")
 
 
 def _check_integrated(cfg: Config) -> None:

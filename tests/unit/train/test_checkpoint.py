@@ -28,6 +28,7 @@ class FakeEngine:
     """save_checkpoint/load_checkpoint with DeepSpeed's signatures; state is a tensor and a counter."""
 
     def __init__(self, fail_after_first_file: bool = False):
+        self.module = torch.nn.Module()  # no MoE layers: save_experts writes nothing
         self.weights = torch.arange(8, dtype=torch.float32)
         self.fail_after_first_file = fail_after_first_file
         self.saves: list[str] = []
@@ -42,7 +43,8 @@ class FakeEngine:
         torch.save({"exp_avg": self.weights * 2, "pad": torch.zeros(256)}, os.path.join(d, OPTIM))
         self.saves.append(tag)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                        custom_load_fn=None):
         path = os.path.join(load_dir, tag, MODEL)
         if not os.path.isfile(path):
             return None, None
