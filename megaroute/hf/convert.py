@@ -15,7 +15,8 @@ export for them too; `--format llama` refuses routed models.
 Order of work: every check (output exists, tag, shards, config, tokenizer; the files' sha256 against
 the manifest and the checkpoint's config_hash, unless --skip-verify: IntegrityError, exit code 2)
 runs before any weight is read and before anything is written. Weights stream one tensor at a time (TP shards merged, ZeRO-3
-partitions reassembled) into output shards of at most `max_shard_bytes`, so peak memory is about
+partitions reassembled, an expert-parallel run's per-expert files stacked into each MoE layer's [E, ...]
+tensors) into output shards of at most `max_shard_bytes`, so peak memory is about
 the memory-mapped input plus one output shard. Everything is written into a temporary directory
 next to the output and renamed into place at the end: an interrupted conversion leaves no
 half-written model, and --force replaces an existing one only once the new one is complete.

@@ -5,7 +5,7 @@ its site-packages puts this environment's site-packages directories on its path.
 .pth file do not run the .pth files of the directories they add, so megaroute's editable-install
 finder is never installed there: the script first checks that `import megaroute` fails. In it, the
 converted dense model loads as a native Llama without trust_remote_code, the converted MoD,
-depth-gate and halting models load with it (their remote code is the bundle generated from
+depth-gate, halting and MoE models load with it (their remote code is the bundle generated from
 megaroute's source), each gives megaroute's logits (max abs diff <= 1e-5, fp32), greedy generation
 with the cache equals generation without it, and lm-eval (its HF model class on the loaded model) runs on a local task this test writes.
 """
@@ -30,7 +30,7 @@ from .conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-METHODS = ("none", "mod", "depth_gate", "halting")
+METHODS = ("none", "mod", "depth_gate", "halting", "moe")
 
 SCRIPT = r"""
 import json, sys

@@ -40,7 +40,9 @@ def test_generated_files_import_only_torch_transformers_and_the_standard_library
     out, names = bundle
     assert ENTRY in names and "configuration_megaroute.py" in names
     assert {"megaroute_model_routing_mod.py", "megaroute_model_routing_halting.py",
-            "megaroute_model_routing_depth_gate.py", "megaroute_model_cache.py"} <= set(names)
+            "megaroute_model_routing_depth_gate.py", "megaroute_model_routing_moe.py", "megaroute_model_cache.py",
+            "megaroute_kernels_reference.py"} <= set(names)
+    assert not [n for n in names if n.startswith(("megaroute_kernels_ops", "megaroute_kernels_triton"))], names
     offenders, optional = [], set()
     for name in names:
         imports = _imports(ast.parse((out / name).read_text(), filename=name))
@@ -101,8 +103,11 @@ def test_bundle_builds_the_same_model(bundle, make_model):
         spec.loader.exec_module(pkg)
         modeling = importlib.import_module("mr_bundle_test.modeling_megaroute")
         assert not [m for m in sys.modules if m.startswith("mr_bundle_test.") and "megaroute." in m]
-        for method in ("mod", "halting", "depth_gate"):
-            model, cfg = make_model(f"routing.method={method}", "routing.capacity=0.5")
+        for overrides in (("routing.method=mod",), ("routing.method=halting",), ("routing.method=depth_gate",),
+                          ("routing.method=moe", "routing.moe.top_k=2"),
+                          ("routing.method=mode_integrated", "routing.moe.router=expert_choice")):
+            model, cfg = make_model(*overrides, "routing.capacity=0.5", "routing.moe.num_experts=4",
+                                    "routing.moe.expert_hidden=16")
             config = modeling.MegarouteConfig(megaroute_model=dataclasses.asdict(cfg.model),
                                               megaroute_routing=dataclasses.asdict(cfg.routing))
             theirs = modeling.MegarouteForCausalLM(config).eval()

@@ -19,6 +19,7 @@ from megaroute.hf.convert import convert
 from megaroute.hf.reader import ConversionError
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
+from megaroute.model.routing.calibration import QuantileCut, calibrate_thresholds
 
 from ...lm_eval_tasks import multiple_choice_task
 
@@ -64,7 +65,7 @@ def _convert(run, out, char_tok, **kw):
 
 
 @pytest.mark.parametrize("method", ["none", "mod", "random", "stride", "first_k", "halting", "depth_gate",
-                                    "early_exit", "moe", "mode_staged"])
+                                    "early_exit"])  # MoE/MoDE: test_moe_and_mode_export_... below
 @torch.no_grad()
 def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char_tok, method):
     run, model, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
@@ -88,7 +89,7 @@ def test_topk_mode_is_selectable(make_run, tmp_path, char_tok):
     assert not torch.allclose(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["mod", "depth_gate"])
+@pytest.mark.parametrize("method", ["mod", "depth_gate", "moe"])
 @torch.no_grad()
 def test_right_padded_batch_equals_unpadded_sequences(make_run, tmp_path, char_tok, method):
     run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5")
@@ -108,7 +109,7 @@ def test_right_padded_batch_equals_unpadded_sequences(make_run, tmp_path, char_t
         hf(batch, attention_mask=mask, routing_mode="topk")
 
 
-@pytest.mark.parametrize("method", ["none", "mod", "depth_gate", "halting"])
+@pytest.mark.parametrize("method", ["none", "mod", "depth_gate", "halting", "mode_staged"])
 @torch.no_grad()
 def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path, char_tok, method):
     run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", "routing.every=1", "routing.offset=0", seed=5)
@@ -137,6 +138,50 @@ def test_generate_with_cache_equals_without(make_run, tmp_path, char_tok, method
     uncached = hf.generate(prompt, max_new_tokens=30, do_sample=False, use_cache=False)
     assert cached.shape == (1, 42)
     assert cached.tolist() == uncached.tolist()
+
+
+# Tiny MoE/MoDE variants (4 experts of 16 units, 2 routed blocks of 4) covering both routers and both MoDEs;
+# one saved as expert parallelism saves (per-expert files, the model-states file holding EP rank 0's experts).
+MOE_VARIANTS = {
+    "moe_token_choice_top2_shared": ("routing.method=moe", "routing.moe.top_k=2", "routing.moe.shared_experts=1"),
+    "moe_expert_choice_ep2": ("routing.method=moe", "routing.moe.router=expert_choice", "parallel.ep=2"),
+    "mode_staged": ("routing.method=mode_staged",),
+    "mode_integrated": ("routing.method=mode_integrated", "routing.moe.router=expert_choice"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+@torch.no_grad()
+def test_moe_and_mode_export_calibrated_thresholds_logits_and_cached_generation(make_model, tmp_path, char_tok,
+                                                                                variant):
+    """MoE/MoDE checkpoints with calibrated causal thresholds (expert choice: one per expert; MoDE staged:
+    MoD's) export them as buffers: the HF model gives megaroute's causal logits (fp32, 1e-5) and cached
+    generation equals uncached. Calibrating first makes the thresholds matter (all 0 would run everything)."""
+    model, cfg = make_model(*MOE_VARIANTS[variant], "routing.capacity=0.5", "routing.moe.num_experts=4",
+                            "routing.moe.expert_hidden=16", "name=run", seed=7)
+    model.eval()
+    batches = [torch.randint(0, 60, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    calibrate_thresholds(model, lambda t: model(t, options=ForwardOptions(mode="causal", calibrate=True)), batches)
+    cuts = {n: m.threshold.item() for n, m in model.named_modules() if isinstance(m, QuantileCut)}
+    if variant != "moe_token_choice_top2_shared":  # token choice in causal mode runs its top-k: no threshold
+        assert cuts and all(t != 0 for t in cuts.values()), cuts
+    run = tmp_path / "runs" / "run"
+    tag_dir = write_checkpoint(model, cfg, str(run), char_tok.hash, step=3)
+    assert len([f for f in os.listdir(tag_dir) if "_expert_" in f]) == (8 if cfg.parallel.ep > 1 else 0)
+    hf = _load(_convert(run, tmp_path / "hf", char_tok))
+    # (The HF model's modules are the bundle's classes, not megaroute's: compared by name.)
+    assert {n.removeprefix("model.").removesuffix(".threshold"): b.item() for n, b in hf.named_buffers()
+            if n.endswith(".threshold")} == cuts
+    x = torch.randint(0, 60, (2, 40))
+    out = model(x, options=ForwardOptions(mode="causal"))
+    torch.testing.assert_close(hf(x).logits, out.logits, atol=1e-5, rtol=0)
+    if cuts:  # the thresholds route: some tokens (expert choice: token-expert pairs) are left out
+        assert 0 < min(out.executed.values() or [0.5]) and max(out.executed.values() or [0.5]) < 1, out.executed
+    prompt = torch.randint(1, 60, (1, 10))  # no pad id (0) in the prompt: generate would mask it
+    # min_new_tokens: an early end-of-sequence would leave too few cached steps to compare.
+    cached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=True)
+    uncached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 22) and cached.tolist() == uncached.tolist()
 
 
 def test_output_files_and_tokenizer(make_run, tmp_path, char_tok):
