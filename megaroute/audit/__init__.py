@@ -1,5 +1,6 @@
-"""Routing audit: counterfactual routing, cross-layer statistics and stratified losses of a checkpoint."""
+"""Routing audit: counterfactual routing, cross-layer statistics, stratified losses and expert load of a checkpoint.
 
-from .report import audit_model, auditable_methods, load_run_model, write_report
-
-__all__ = ["audit_model", "auditable_methods", "load_run_model", "write_report"]
+The entry points live in `megaroute.audit.report` (audit_model, load_run_model, write_report); this package
+module re-exports nothing, so importing `megaroute.audit.analysis` (e.g. sweep analysis's intervals) does not
+pull in report's mlflow and transformers imports.
+"""

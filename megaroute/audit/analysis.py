@@ -1,6 +1,7 @@
 """Pure functions behind `megaroute audit`: counterfactual masks and routing statistics.
 
-A decision mask is [B, T] bool, True = the token executes the routed block at that layer.
+A decision mask is [B, T] bool, True = the token executes the routed block at that layer. An
+assignment matrix (Mixture-of-Experts) is [N, E] bool over N tokens, True = the token runs expert e.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 from scipy import stats
+from scipy.stats.contingency import association
 
 
 def random_like(mask: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -151,3 +153,84 @@ def _seed_key(seed: str):
         return (0, int(seed), "")
     except ValueError:
         return (1, 0, seed)
+
+
+def expert_load(assign: torch.Tensor) -> dict:
+    """Balance of one MoE layer's expert assignments [N, E] bool: per expert the assignments and their
+    fraction of all, max / mean load (1 = balanced, E = one expert takes everything), the coefficient
+    of variation std / mean of the loads (population std; 0 = balanced) and the load entropy
+    normalised by log E (1 = balanced, 0 = one expert)."""
+    load = assign.reshape(-1, assign.shape[-1]).sum(0).double().cpu().numpy()
+    E, total = len(load), float(load.sum())
+    mean = total / E
+    out = {"assignments": [int(v) for v in load], "total": int(total),
+           "fraction": [float(v / total) if total else math.nan for v in load],
+           "max_over_mean": float(load.max() / mean) if total else math.nan,
+           "cv": float(load.std() / mean) if total else math.nan,
+           "entropy_norm": math.nan if not total else 1.0 if E == 1 else float(stats.entropy(load, base=E))}
+    return out
+
+
+def expert_drops(chosen: torch.Tensor, kept: torch.Tensor, routed: torch.Tensor) -> dict:
+    """Tokens dropped by an MoE layer. chosen [N, E]: the assignments the router asked for (token
+    choice: each token's top-k, before capacity); kept [N, E]: those that ran; routed [N]: the tokens
+    the layer's router scored. Dropped assignments = chosen and not kept; a routed token with no kept
+    assignment gets no routed-expert update (only the residual and any shared experts)."""
+    chosen, kept, routed = chosen.reshape(-1, chosen.shape[-1]), kept.reshape(-1, kept.shape[-1]), routed.reshape(-1)
+    n_chosen, n_dropped = int(chosen.sum()), int((chosen & ~kept).sum())
+    tokens, without = int(routed.sum()), int((routed & ~kept.any(-1)).sum())
+    return {"assignments": n_chosen, "assignments_dropped": n_dropped,
+            "assignments_dropped_frac": n_dropped / n_chosen if n_chosen else math.nan,
+            "tokens": tokens, "tokens_without_expert": without,
+            "tokens_without_expert_frac": without / tokens if tokens else math.nan,
+            "experts_per_token": int(kept[routed].sum()) / tokens if tokens else math.nan}
+
+
+def decision_expert_association(run: torch.Tensor, expert: torch.Tensor, num_experts: int) -> dict:
+    """How a run/skip decision relates to expert choice, over N tokens: run [N] bool, expert [N] int
+    in [0, E) (e.g. each token's top-1 expert by router probability).
+
+    The 2 x E contingency table (rows run, skip), the conditional shares P(run | expert e),
+    P(expert e | run) and P(expert e | skip), and Cramer's V = sqrt(chi2 / (N (min(rows, cols) - 1)))
+    of the table (scipy, no continuity correction) over the rows and columns that hold a token: 0 =
+    the decision is independent of which expert a token prefers, 1 = the preferred expert determines
+    it. NaN (with a note) when fewer than 2 rows or columns hold tokens (everything ran, or every
+    token prefers one expert)."""
+    run, expert = run.reshape(-1).bool().cpu().numpy(), expert.reshape(-1).long().cpu().numpy()
+    table = np.zeros((2, num_experts), dtype=np.int64)
+    np.add.at(table, (np.where(run, 0, 1), expert), 1)
+    rows, cols = table.sum(1), table.sum(0)
+    nz = table[rows > 0][:, cols > 0]
+    note = ""
+    if nz.shape[0] < 2 or nz.shape[1] < 2:
+        v = math.nan
+        note = "undefined: " + ("every token ran or every token skipped" if nz.shape[0] < 2
+                                else "every token prefers the same expert")
+    else:
+        v = float(association(nz, method="cramer"))
+
+    def share(num, den):
+        return [float(a / b) if b else math.nan for a, b in zip(num, den)]
+
+    return {"table": {"run": table[0].tolist(), "skip": table[1].tolist()}, "tokens": int(table.sum()),
+            "cramers_v": v, "note": note, "p_run_given_expert": share(table[0], cols),
+            "p_expert_given_run": share(table[0], [rows[0]] * num_experts),
+            "p_expert_given_skip": share(table[1], [rows[1]] * num_experts)}
+
+
+def share_by_position(flag: torch.Tensor, buckets: int) -> list[dict]:
+    """Mean of a per-token flag [B, T] (e.g. skipped) within equal position buckets."""
+    f = flag.double().mean(0).cpu()
+    T = f.shape[0]
+    edges = np.linspace(0, T, buckets + 1).astype(int)
+    return [{"positions": f"{edges[i]}-{edges[i + 1] - 1}", "share": float(f[edges[i]:edges[i + 1]].mean())}
+            for i in range(buckets) if edges[i + 1] > edges[i]]
+
+
+def share_by_token(flag: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict]:
+    """Mean of a per-token flag [B, T] per token id, for the `top` most frequent ids (ties: lower id)."""
+    ids, counts = tokens.reshape(-1).cpu().unique(return_counts=True)
+    f = flag.reshape(-1).double().cpu()
+    t = tokens.reshape(-1).cpu()
+    order = sorted(range(len(ids)), key=lambda i: (-int(counts[i]), int(ids[i])))[:top]
+    return [{"token": int(ids[i]), "count": int(counts[i]), "share": float(f[t == ids[i]].mean())} for i in order]

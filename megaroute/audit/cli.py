@@ -15,7 +15,8 @@ from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("audit", help="routing audit of a checkpoint: counterfactuals, correlations, strata, maps")
+    p = sub.add_parser("audit", help="routing audit of a checkpoint: counterfactuals, correlations, strata, maps, "
+                                     "expert load")
     p.add_argument("checkpoint", help="run directory, checkpoints root, checkpoint tag directory, model-states "
                                       "file, or a converted Hugging Face directory (then --data-dir is needed)")
     p.add_argument("--data", default="val", choices=["val", "train"], help="prepared split to evaluate on")

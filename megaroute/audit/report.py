@@ -8,6 +8,10 @@
     routing map       which tokens take which depth on a sample sequence
     seeds             final eval/loss per variant over seeds (FINISHED runs of one budget, length and
                       data, from MLflow): mean, std, Student-t CI, paired routed-minus-dense differences
+    experts           models with MoE layers (moe, mode_staged, mode_integrated; audit/experts.py): expert
+                      load balance, tokens dropped, MoD run/skip vs expert choice, in top-k and causal
+                      mode. A plain moe model has no per-layer decisions, so its audit is this section
+                      and the two modes' losses only.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ from ..hf.reader import ConversionError, full_state_dict, locate
 from ..model import ForwardOptions, build_model
 from ..model.routing import METHODS, method_spec
 from ..train.checkpoint import CheckpointError, resolve_checkpoint
-from . import analysis
+from . import analysis, experts
 
 
 def auditable_methods() -> tuple[str, ...]:
-    """Registered routing methods with per-layer decisions to audit (their spec has audit hooks)."""
-    return tuple(name for name, spec in METHODS.items() if spec.audit is not None)
+    """Registered routing methods the audit runs on: those with per-layer decisions (their spec has
+    audit hooks) and those whose routed layers hold experts (the expert section only)."""
+    def has_experts(spec) -> bool:
+        return isinstance(spec.layer, type) and issubclass(spec.layer, experts.EXPERT_LAYERS)
+
+    return tuple(name for name, spec in METHODS.items() if spec.audit is not None or has_experts(spec))
 
 
 def find_config(path: str) -> str:
@@ -115,9 +123,55 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
     model) gives token entropy and the dense loss; without it the audited model's own entropy is used."""
     method = cfg.routing.method
     hooks = method_spec(method).audit
-    if hooks is None:
-        raise ConfigError("routing.method", f"audit needs a routed model with per-layer decisions, one of "
-                                            f"{auditable_methods()}; got {method!r}")
+    batches = list(batches)  # read twice: the passes, then the expert statistics' token ids
+    with experts.ExpertRecorder(model) as recorder:
+        if hooks is None and experts.has_experts(model):
+            return _expert_audit(model, cfg, batches, recorder, reference, buckets)
+        if hooks is None:
+            raise ConfigError("routing.method", f"audit needs a routed model with per-layer decisions or experts, "
+                                                f"one of {auditable_methods()}; got {method!r}")
+        result = _decision_audit(model, cfg, batches, recorder, reference, bins, buckets, seed)
+    if recorder.meta:
+        result["experts"] = experts.summarize(recorder, torch.cat([x for x, _ in batches]),
+                                              (hooks.decisions, hooks.causal), buckets)
+    return result
+
+
+def _forced_passes(model, x: torch.Tensor, mode: str, recorder: experts.ExpertRecorder) -> None:
+    """Staged MoDE: per layer, a pass in which that layer alone runs every token, so its MoE router
+    scores the tokens MoD skipped (the counterfactual expert preference, audit/experts.py)."""
+    recorder.tag = f"forced_{mode}"
+    everyone = torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    for layer in recorder.staged_layers():
+        recorder.only = layer
+        model(x, options=ForwardOptions(mode=mode, masks={layer: everyone}, record_decisions=True))
+    recorder.tag = recorder.only = None
+
+
+def _expert_audit(model, cfg: Config, batches, recorder: experts.ExpertRecorder, reference, buckets: int) -> dict:
+    """The audit of a model whose layers have experts but no per-layer decisions (moe): the loss and
+    the expert statistics in training (top-k) and causal mode, and the `reference` model's loss."""
+    losses: dict[str, list[torch.Tensor]] = {}
+    tokens = []
+    for x, y in batches:
+        for key, mode in (("learned", "topk"), ("causal", "causal")):
+            recorder.tag = mode
+            out = model(x, options=ForwardOptions(mode=mode, record_decisions=True))
+            losses.setdefault(key, []).append(_per_token_loss(out.logits, y))
+        recorder.tag = None
+        if reference is not None:
+            losses.setdefault("dense", []).append(_per_token_loss(reference(x).logits, y))
+        tokens.append(x)
+    loss = _cat(losses)
+    return {"method": cfg.routing.method, "mode": "topk", "tokens": int(loss["learned"].numel()),
+            "losses": {k: float(v.mean()) for k, v in loss.items()},
+            "experts": experts.summarize(recorder, torch.cat(tokens), ("topk", "causal"), buckets)}
+
+
+def _decision_audit(model, cfg: Config, batches: Iterable, recorder: experts.ExpertRecorder, reference, bins: int,
+                    buckets: int, seed: int) -> dict:
+    method = cfg.routing.method
+    hooks = method_spec(method).audit
     # The mode whose decisions change compute (halting: hard; the others decide by top-k in training).
     mode = hooks.decisions
     generator = torch.Generator().manual_seed(seed)
@@ -127,7 +181,9 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
     strata: list[torch.Tensor] = []
     sample = None
     for x, y in batches:
+        recorder.tag = mode  # expert statistics of the learned and causal passes (no-op without experts)
         learned = model(x, options=ForwardOptions(mode=mode, record_decisions=True))
+        recorder.tag = None
         ref_logits = reference(x).logits if reference is not None else learned.logits
         ent = analysis.entropy(ref_logits)
         strata.append(ent)
@@ -139,8 +195,12 @@ def audit_model(model, cfg: Config, batches: Iterable, reference=None, bins: int
                            ("entropy", lambda m: analysis.top_scores_like(m, ent)), ("inverted", analysis.inverted)):
             masks = {layer: make(m) for layer, m in learned.decisions.items()}
             add(name, model(x, options=ForwardOptions(mode=mode, masks=masks)).logits)
+        recorder.tag = hooks.causal
         causal = model(x, options=ForwardOptions(mode=hooks.causal, record_decisions=True))
+        recorder.tag = None
         add("causal", causal.logits)
+        for forced_mode in dict.fromkeys((mode, hooks.causal)):
+            _forced_passes(model, x, forced_mode, recorder)
         for layer, m in learned.decisions.items():
             decisions.setdefault(layer, []).append(m.cpu())
             causal_decisions.setdefault(layer, []).append(causal.decisions[layer].cpu())
@@ -331,6 +391,27 @@ def write_report(result: dict, out_dir: str, decode=None) -> list[str]:
         plt.close(fig)
         written.append(path)
 
+    if "experts" in result:
+        modes = result["experts"]["modes"]
+        layers = result["experts"]["layers"]
+        fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 0.5 * len(layers) + 1.8), squeeze=False)
+        # One colour scale for every panel, so the modes compare by colour.
+        vmax = max((f for layer in layers.values() for row in layer["modes"].values()
+                    for f in row["load"]["fraction"] if f == f), default=1.0)
+        for ax, mode in zip(axes[0], modes):
+            names = [n for n in layers if mode in layers[n]["modes"]]
+            width = max((layers[n]["num_experts"] for n in names), default=1)
+            grid = [layers[n]["modes"][mode]["load"]["fraction"] + [float("nan")] * (width - layers[n]["num_experts"])
+                    for n in names]
+            im = ax.imshow(grid or [[float("nan")]], aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+            ax.set_yticks(range(len(names)), names)
+            ax.set_xlabel("expert")
+            ax.set_title(f"expert load fraction ({mode})")
+            fig.colorbar(im, ax=ax)
+        save(fig, "expert_load.png")
+    if "correlation" not in result:  # experts only (moe): no per-layer decisions to plot
+        return _write_text(result, out_dir, written, decode)
+
     losses = result["losses"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(list(losses), list(losses.values()), color="tab:blue")
@@ -377,19 +458,28 @@ def write_report(result: dict, out_dir: str, decode=None) -> list[str]:
                           fontsize=6)
         ax.set_title("routing map: green = executes the block")
         save(fig, "routing_map.png")
+    return _write_text(result, out_dir, written, decode)
 
+
+def _write_text(result: dict, out_dir: str, written: list[str], decode=None) -> list[str]:
     json_path = os.path.join(out_dir, "audit.json")
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     written.append(json_path)
     md_path = os.path.join(out_dir, "audit.md")
     with open(md_path, "w") as f:
-        f.write(_markdown(result))
+        f.write(_markdown(result, decode))
     written.append(md_path)
     return written
 
 
-def _markdown(r: dict) -> str:
+def _markdown(r: dict, decode=None) -> str:
+    if "correlation" not in r:  # experts only (moe)
+        lines = [f"# Routing audit ({r['method']}, {r['tokens']:,} tokens)", "",
+                 "| routing | val loss |", "|---|---|"]
+        label = {"learned": "learned (training-mode top-k)", "causal": "causal (as eval/loss)", "dense": "reference"}
+        lines += [f"| {label.get(k, k)} | {v:.4f} |" for k, v in r["losses"].items()]
+        return "\n".join(lines + _expert_markdown(r["experts"], decode) + ["", "Plot: expert_load.png", ""])
     lines = [f"# Routing audit ({r['method']}, decisions in {r['mode']} mode, {r['tokens']:,} tokens)", "",
              "## Counterfactual routing", "", "| routing | val loss |", "|---|---|"]
     lines += [f"| {k} | {v:.4f} |" for k, v in r["losses"].items()]
@@ -411,10 +501,75 @@ def _markdown(r: dict) -> str:
               "| positions | agreement | loss top-k | loss causal |", "|---|---|---|---|"]
     lines += [f"| {x['positions']} | {x['agreement']:.3f} | {y['learned']:.4f} | {y['causal']:.4f} |"
               for x, y in zip(a["by_position"], a["loss_by_position"])]
+    if "experts" in r:
+        lines += _expert_markdown(r["experts"], decode)
     if "seeds" in r:
         lines += _seed_markdown(r["seeds"])
-    lines += ["", "Plots: counterfactuals.png, correlation.png, stratified_loss.png, agreement.png, routing_map.png", ""]
+    lines += ["", "Plots: counterfactuals.png, correlation.png, stratified_loss.png, agreement.png, routing_map.png"
+              + (", expert_load.png" if "experts" in r else ""), ""]
     return "\n".join(lines)
+
+
+MODE_LABELS = {"topk": "top-k (training decisions: capacity drops; expert choice and MoD see future tokens)",
+               "causal": "causal (what eval/loss runs: no capacity drops; calibrated per-token thresholds)"}
+
+
+def _expert_markdown(e: dict, decode=None) -> list[str]:
+    """The expert section (audit/experts.py): load balance and drops per layer and mode, then MoDE's
+    run/skip decision against expert preference."""
+    def num(x: float, fmt: str = ".3f") -> str:
+        return "n/a" if x != x else format(x, fmt)
+
+    lines = ["", "## Experts: load balance and dropped tokens", "",
+             "Load = executed assignments per expert (fractions of the layer's assignments); max/mean 1 and CV 0 "
+             "and entropy 1 (normalised by log E) = balanced. Token choice also shows the top-k choices before "
+             "capacity (`chosen`). Dropped = assignments past an expert's capacity; tokens without expert = "
+             "tokens the layer routed that no expert ran (residual and shared experts only; for integrated "
+             "MoDE these are the no-op tokens that skip the block).", ""]
+    for mode in e["modes"]:
+        lines += [f"Mode {MODE_LABELS.get(mode, mode)}:", "",
+                  "| layer | kind | router | load fractions | max/mean | CV | entropy | chosen max/mean | "
+                  "assignments dropped | tokens without expert |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, layer in e["layers"].items():
+            row = layer["modes"].get(mode)
+            if row is None:
+                continue
+            ld, dr, ch = row["load"], row["drops"], row.get("load_chosen")
+            lines.append(f"| {name} | {layer['kind']} | {layer['router']} | "
+                         + " ".join(num(f, ".2f") for f in ld["fraction"])
+                         + f" | {num(ld['max_over_mean'])} | {num(ld['cv'])} | {num(ld['entropy_norm'])} | "
+                         f"{num(ch['max_over_mean']) if ch else '-'} | "
+                         f"{dr['assignments_dropped']} of {dr['assignments']} "
+                         f"({num(dr['assignments_dropped_frac'])}) | "
+                         f"{dr['tokens_without_expert']} of {dr['tokens']} ({num(dr['tokens_without_expert_frac'])}) |")
+        lines.append("")
+    mod = [(name, mode, layer["modes"][mode]["mod"]) for name, layer in e["layers"].items()
+           for mode in e["modes"] if "mod" in layer["modes"].get(mode, {})]
+    if not mod:
+        return lines
+    lines += ["## MoDE: run/skip decision vs expert choice", "",
+              "Each token's preferred expert = top-1 router probability over the real experts (staged: from a "
+              "counterfactual pass in which that layer runs every token, since MoD skips tokens before the MoE "
+              "router sees them; integrated: the same pass). Cramer's V of the run/skip x preferred-expert "
+              "table: 0 = which tokens run is independent of the expert they prefer, 1 = the preferred expert "
+              "decides it. Staged top-1 agreement: run tokens whose preferred expert in the counterfactual pass "
+              "equals the one in the learned pass.", "",
+              "| layer | mode | run frac | Cramer's V | P(run given preferred expert e) | staged top-1 agreement | "
+              "integrated no-op prob (run / skip) | skip share by position |", "|---|---|---|---|---|---|---|---|"]
+    for name, mode, m in mod:
+        a = m.get("association")
+        v = (num(a["cramers_v"]) + (f" ({a['note']})" if a["note"] else "")) if a else "n/a"
+        p_run = " ".join(num(p, ".2f") for p in a["p_run_given_expert"]) if a else "n/a"
+        noop = f"{num(m['noop_prob_run'])} / {num(m['noop_prob_skip'])}" if "noop_prob_run" in m else "-"
+        by_pos = " ".join(f"{x['positions']}: {num(x['share'], '.2f')}" for x in m["skip_by_position"])
+        agree = num(m.get("top1_agreement", float("nan")))
+        lines.append(f"| {name} | {mode} | {num(m['run_frac'])} | {v} | {p_run} | {agree} | {noop} | {by_pos} |")
+    lines += ["", "Skip share of the most frequent tokens (count in parentheses):", ""]
+    for name, mode, m in mod:
+        shown = [f"{repr(decode([x['token']])) if decode else x['token']} ({x['count']}): {num(x['share'], '.2f')}"
+                 for x in m["skip_by_token"]]
+        lines.append(f"- {name} {mode}: " + ", ".join(shown))
+    return lines
 
 
 def _seed_markdown(s: dict) -> list[str]:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..audit import audit_model
+from ..audit.report import audit_model
 from ..config import load_config
 from ..model import build_model
 

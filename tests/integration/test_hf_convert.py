@@ -64,7 +64,7 @@ def _convert(args):
 def test_converted_and_audit_loaded_logits_equal_deepspeed_checkpoint(runs, name, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megaroute.audit import load_run_model
+    from megaroute.audit.report import load_run_model
     from megaroute.model import ForwardOptions
 
     out = tmp_path / "hf"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from megaroute.audit import audit_model, auditable_methods
+from megaroute.audit.report import audit_model, auditable_methods
 from megaroute.bench import parallel
 from megaroute.config import ConfigError, ModelConfig, RoutingConfig
 from megaroute.flops import config_flops, estimate_flops, flops_per_token

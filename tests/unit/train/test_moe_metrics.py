@@ -1,0 +1,128 @@
+"""Per-expert load and dropped tokens of MoE layers reach the step metrics and MLflow under the
+names megaroute.metric_names documents (routing/<layer>/expert_<e>_load, moe_dropped, ...)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaroute import metric_names as names
+from megaroute.train.callbacks import MLflowLogger
+from megaroute.train.loop import Callback, Trainer, TrainState
+from megaroute.train.tracking import MLflowTracker
+
+
+class _LocalEngine:
+    """The engine surface the fit loop uses, around a real model and optimizer on one CPU process."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model):
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def __call__(self, x, y):
+        return self.model(x, y)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def was_step_applied(self):
+        return True
+
+    def get_global_grad_norm(self):
+        return None
+
+    def get_lr(self):
+        return [1e-2]
+
+    def train_batch_size(self):
+        return 2
+
+
+class _NoStop:
+    requested = False
+
+
+def test_expert_names_round_trip():
+    metrics = {names.expert_load("layer_1", 1): 0.75, names.expert_load("layer_1", 0): 0.25,
+               names.routing_stat("layer_1", names.EXPERT_DROPPED_FRAC): 0.5, "routing/layer_1/expert_x_load": 1.0,
+               "train/loss": 2.0}
+    assert names.expert_load("layer_3", 2) == "routing/layer_3/expert_2_load"
+    assert names.expert_loads(metrics) == {"layer_1": [0.25, 0.75]}
+
+
+class _Tracker:
+    """What MLflowLogger sends (the real tracker's read-back is the slow test below)."""
+
+    def __init__(self):
+        self.logged: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics, step):
+        self.logged.setdefault(step, {}).update(metrics)
+
+    def close(self, status):
+        self.status = status
+
+
+LAYERS = ["layer_1", "layer_3"]  # routing.every=2, offset=1 on the tiny model's 4 blocks
+
+
+def _fit(model, tracker) -> list[dict[str, float]]:
+    """Two steps of two micro-batches each through the real fit loop; -> each step's metrics."""
+    g = torch.Generator().manual_seed(0)
+    batches = iter([(torch.randint(0, 97, (2, 32), generator=g),) * 2 for _ in range(4)])
+    steps = []
+
+    class Keep(Callback):
+        def on_step_end(self, trainer, metrics):
+            steps.append(dict(metrics))
+
+    trainer = Trainer(_LocalEngine(model), None, batches, dict, total_steps=2, accumulation=2,
+                      tokens_per_step=128, flops_per_token=1.0, eval_interval=1000, max_nonfinite_steps=3,
+                      stop_signal=_NoStop(), state=TrainState(),
+                      callbacks=[Keep(), MLflowLogger(tracker, interval=1)])
+    assert trainer.fit().stop_reason == "complete"
+    return steps
+
+
+def _expert_keys(layer: str) -> list[str]:
+    return [names.expert_load(layer, e) for e in range(4)] + [
+        names.routing_stat(layer, s) for s in (names.EXPERT_DROPPED, names.EXPERT_DROPPED_FRAC, names.EXPERT_LOAD_MAX)]
+
+
+def _moe(make_model):
+    # Capacity factor 0.5: C = ceil(0.5 * 32 / 4) = 4 of 32 tokens per expert, so token choice drops.
+    return make_model("routing.method=moe", "routing.moe.num_experts=4", "routing.moe.capacity_factor=0.5")[0]
+
+
+def test_moe_step_metrics_hold_per_layer_expert_load_and_drops(make_model):
+    tracker = _Tracker()
+    steps = _fit(_moe(make_model), tracker)
+    for step, m in enumerate(steps, 1):
+        loads = names.expert_loads(m)
+        assert sorted(loads) == LAYERS and all(len(v) == 4 for v in loads.values())
+        assert all(sum(v) == pytest.approx(1.0) for v in loads.values())  # micro-batch means of fractions
+        for layer in LAYERS:
+            assert m[names.routing_stat(layer, names.EXPERT_DROPPED)] > 0
+            assert 0 < m[names.routing_stat(layer, names.EXPERT_DROPPED_FRAC)] < 1
+            assert m[names.routing_stat(layer, names.EXPERT_LOAD_MAX)] >= 1
+            assert {k: tracker.logged[step][k] for k in _expert_keys(layer)} == {k: m[k] for k in _expert_keys(layer)}
+    assert tracker.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_moe_expert_metrics_read_back_from_mlflow(make_model, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    tracker = MLflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "unit", "moe", params={}, tags={},
+                            artifact_root=str(tmp_path / "artifacts"), flush_seconds=0.2)
+    steps = _fit(_moe(make_model), tracker)  # MLflowLogger closes the run
+    client = MlflowClient(tracking_uri=tracker.uri)
+    for key in (k for layer in LAYERS for k in _expert_keys(layer)):
+        history = {p.step: p.value for p in client.get_metric_history(tracker.run_id, key)}
+        assert history == {s: pytest.approx(m[key]) for s, m in enumerate(steps, 1)}, key
