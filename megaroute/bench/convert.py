@@ -3,17 +3,22 @@
     python -m megaroute.bench.convert [--shape char|157m] [--steps N] [--new-tokens 64] [--threads 1]
                                       [--dense CONFIG --mod CONFIG] [--workdir DIR]
 
-1. Builds a dense and a MoD model of the same shape (--shape char: configs/experiments/char_dense.yaml
-   and char_mod.yaml, 6 blocks of d 128; --shape 157m: configs/dense_157m.yaml and mod_157m.yaml) and
-   trains both for --steps AdamW steps on the bundled corpus (character-level Tiny Shakespeare, 90% of
-   it; same batches for both, top-k routing as in training). Default: 200 steps for char, 0 for 157m
-   (too slow on a CPU: the 157m figures are of UNTRAINED weights, which the output says).
-2. Calibrates MoD's causal decider on real text (calibration.calibrate_thresholds over batches of the
-   training text): each routed layer's threshold passes the capacity's fraction (12.5%) of tokens, as
-   evaluation does after training. Reports each model's causal validation loss (the held-out 10%).
-3. Writes each as a checkpoint, converts it in a subprocess (launcher/convert_checkpoint.py code,
-   --format megaroute for both, so dense runs through the same remote code as MoD) and reports the
-   wall time and the converter's peak RSS (VmHWM) against the bound 1.5x fp32 size + 1 GB.
+1. Prepares the bundled corpus with the character tokenizer in the workdir (character-level Tiny
+   Shakespeare, ids below every config's vocabulary; the 90/10 train/val split of `data prepare`) and
+   trains a dense and a MoD model of the same shape (--shape char: configs/experiments/char_dense.yaml
+   and char_mod.yaml, 6 blocks of d 128; --shape 157m: configs/dense_157m.yaml and mod_157m.yaml) on it
+   for --steps steps through launcher/pretrain.py (the real DeepSpeed engine and trainer: the
+   launcher's optimizer, warm-up over a tenth of the steps then cosine decay, fp32, one CPU rank;
+   same seed, so same data order for both). Default: 200 steps for char, 0 for 157m (too slow on a
+   CPU: the 157m figures are of UNTRAINED weights, which the output says; those are written as a
+   checkpoint directly).
+2. The trainer's final evaluation calibrates MoD's causal decider on CALIBRATION_BATCHES batches of
+   training text (each routed layer's threshold passes the capacity's fraction, 12.5%, of tokens) and
+   reports eval/loss: the causal validation loss (as many held-out batches). Untrained: the same
+   calibration and loss, in process.
+3. Converts each run's checkpoint in a subprocess (launcher/convert_checkpoint.py code, --format
+   megaroute for both, so dense runs through the same remote code as MoD) and reports the wall time
+   and the converter's peak RSS (VmHWM) against the bound 1.5x fp32 size + 1 GB.
 4. Loads both exports with AutoModelForCausalLM (trust_remote_code) and times greedy generate() with
    the KV cache, batch 1, a prompt of held-out text, dense and MoD interleaved (--repeats rounds,
    median per model): tokens/s of each, MoD / dense, and the executed fraction beside it: the share of
@@ -24,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -34,13 +40,16 @@ import time
 import torch
 
 from ..config import load_config
-from ..data.tokenizers import CharTokenizer
+from ..data.loader import PackedDataset, SequenceLoader
+from ..data.prepare import prepare
+from ..data.tokenizers import load_tokenizer
 from ..hf.synthetic import write_checkpoint
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
+from ..model.routing.calibration import QuantileCut
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CORPUS = os.path.join(REPO, "data/tinyshakespeare.txt")
+CHAR_DATA = os.path.join(REPO, "configs/data/tinyshakespeare_char.yaml")   # how the corpus is prepared
 SHAPES = {  # name: (dense config, MoD config, default training steps)
     "char": ("configs/experiments/char_dense.yaml", "configs/experiments/char_mod.yaml", 200),
     "157m": ("configs/dense_157m.yaml", "configs/mod_157m.yaml", 0),
@@ -58,62 +67,86 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def batches(tokens: torch.Tensor, n: int, batch: int, seq_len: int, seed: int) -> list[torch.Tensor]:
-    """n random windows [batch, seq_len + 1] of `tokens` (inputs and next-token targets)."""
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (n, batch), generator=g)
-    return [torch.stack([tokens[s:s + seq_len + 1] for s in row.tolist()]) for row in starts]
+def batches(data_dir: str, split: str, n: int, batch: int, seq_len: int, vocab_size: int,
+            seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n micro-batches (inputs, next-token targets) [batch, seq_len] of a prepared split, in the loader's order."""
+    loader = iter(SequenceLoader(PackedDataset(data_dir, split, seq_len=seq_len, vocab_size=vocab_size),
+                                 batch, batch, 0, 1, seed=seed))
+    return [next(loader) for _ in range(n)]
 
 
-def train(model, cfg, data: list[torch.Tensor]) -> float:
-    """AdamW (the config's lr, betas, weight decay, clipping; linear warm-up over a tenth of the steps)
-    in top-k routing mode, as training runs it. Returns the mean loss of the last 10 steps."""
-    o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    warmup = max(1, len(data) // 10)
-    losses = []
-    model.train()
-    for step, batch in enumerate(data):
-        for group in opt.param_groups:
-            group["lr"] = o.lr * min(1.0, (step + 1) / warmup)
-        out = model(batch[:, :-1], batch[:, 1:], options=ForwardOptions(mode="topk"))
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out.lm_loss.detach()))
-    model.eval()
-    return statistics.mean(losses[-10:]) if losses else float("nan")
+def prepare_char_data(out_dir: str) -> str:
+    """The bundled corpus prepared with the character tokenizer into out_dir (seconds) -> out_dir."""
+    cfg = load_config(CHAR_DATA, [f"data.output_dir={out_dir}"])
+    prepare(cfg.data, progress=False)
+    return out_dir
 
 
 @torch.no_grad()
-def causal_loss(model, data: list[torch.Tensor]) -> float:
-    return statistics.mean(float(model(b[:, :-1], b[:, 1:], options=ForwardOptions(mode="causal")).lm_loss)
-                           for b in data)
+def causal_loss(model, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return statistics.mean(float(model(x, y, options=ForwardOptions(mode="causal")).lm_loss) for x, y in data)
 
 
-def make_run(label: str, config: str, args, workdir: str, tok: CharTokenizer, text: torch.Tensor,
-             tokenizer_hash: str) -> tuple[str, int, str]:
-    """Builds, trains, calibrates and checkpoints one model; returns (run dir, parameters, summary)."""
+def launcher_overrides(label: str, args, workdir: str, data_dir: str, seq_len: int) -> list[str]:
+    """One training run through the launcher on the prepared character data, evaluated (calibration +
+    causal loss) and checkpointed at its last step."""
+    steps = args.steps
+    return [f"runs_dir={workdir}", f"name=bench_{label}", f"data.output_dir={data_dir}", "data.tokenizer.kind=char",
+            f"data.seq_len={seq_len}", "train.precision=fp32", "model.dtype=float32",
+            f"train.micro_batch_size={args.batch}", f"train.global_batch_size={args.batch}",
+            f"train.max_steps={steps}", "train.max_tokens=null", "train.max_flops=null", "train.seed=0",
+            f"optim.warmup_steps={max(1, steps // 10)}", f"train.eval_interval={steps}",
+            f"train.eval_batches={CALIBRATION_BATCHES}", f"train.log_interval={steps}",
+            f"checkpoint.interval={steps}", "checkpoint.dir=checkpoints", "checkpoint.resume=none",
+            "tracking.enabled=false"]
+
+
+def _last_records(run_dir: str) -> dict[str, dict]:
+    last = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            last[record["kind"]] = record
+    return last
+
+
+def make_run(label: str, config: str, args, workdir: str, data_dir: str, tokenizer_hash: str
+             ) -> tuple[str, int, str]:
+    """Trains (launcher) or builds (--steps 0) one model, calibrated; returns (run dir, parameters, summary)."""
     cfg = load_config(config, ["checkpoint.dir=checkpoints", "model.dtype=float32", f"name=bench_{label}"])
     seq_len = min(args.seq_len, cfg.model.max_seq_len)
-    split = int(0.9 * len(text))
-    torch.manual_seed(0)
-    model = build_model(cfg.model, cfg.routing)
-    t0 = time.perf_counter()
-    train_loss = train(model, cfg, batches(text[:split], args.steps, args.batch, seq_len, seed=1))
-    trained = (f"trained {args.steps} steps (batch {args.batch}x{seq_len}) in {time.perf_counter() - t0:.0f} s, "
-               f"last train loss {train_loss:.3f}" if args.steps else "UNTRAINED (random init)")
-    calibration = batches(text[:split], CALIBRATION_BATCHES, args.batch, seq_len, seed=2)
-    calibrated = calibrate_thresholds(model, lambda b: model(b[:, :-1], options=ForwardOptions(
-        mode="causal", calibrate=True)), calibration)
-    val = causal_loss(model, batches(text[split:], 4, args.batch, seq_len, seed=3))
-    summary = (f"{trained}; " + (f"causal thresholds calibrated on {CALIBRATION_BATCHES}x{args.batch} windows of "
-                                 "real text; " if calibrated else "") + f"causal val loss {val:.3f}")
-    n = sum(p.numel() for p in model.parameters())
     run = os.path.join(workdir, cfg.name)
-    write_checkpoint(model, cfg, run, tokenizer_hash, step=args.steps)
-    return run, n, summary
+    meta = build_model(cfg.model, cfg.routing, device="meta")
+    n = meta.num_params()
+    has_cut = any(isinstance(m, QuantileCut) for m in meta.modules())
+    calibrated = (f"causal thresholds calibrated on {CALIBRATION_BATCHES}x{args.batch} windows of real text; "
+                  if has_cut else "")
+    if args.steps:
+        log = os.path.join(workdir, f"{cfg.name}.log")
+        cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config", config,
+               *launcher_overrides(label, args, workdir, data_dir, seq_len)]
+        t0 = time.perf_counter()
+        with open(log, "w") as f:
+            rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.threads)})
+        if rc:
+            raise SystemExit(f"training {label} ({config}) failed (exit {rc}); see {log}")
+        last = _last_records(run)
+        summary = (f"trained {args.steps} steps through the launcher (batch {args.batch}x{seq_len}) in "
+                   f"{time.perf_counter() - t0:.0f} s, train loss at the last step {last['train']['train/loss']:.3f}; "
+                   f"{calibrated}causal val loss (eval/loss, {CALIBRATION_BATCHES} batches) "
+                   f"{last['eval']['eval/loss']:.3f}")
+        return run, n, summary
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.routing).eval()
+    vocab = cfg.model.vocab_size
+    with torch.no_grad():
+        calibrate_thresholds(model, lambda x: model(x, options=ForwardOptions(mode="causal", calibrate=True)),
+                             [x for x, _ in batches(data_dir, "train", CALIBRATION_BATCHES, args.batch, seq_len,
+                                                    vocab, seed=0)])
+    val = causal_loss(model, batches(data_dir, "val", CALIBRATION_BATCHES, args.batch, seq_len, vocab, seed=0))
+    write_checkpoint(model, cfg, run, tokenizer_hash, step=0)
+    return run, n, f"UNTRAINED (random init); {calibrated}causal val loss {val:.3f}"
 
 
 def convert_timed(run: str, out: str, tokenizer: str) -> tuple[float, int]:
@@ -195,17 +228,13 @@ def main(argv=None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="megaroute-bench-convert-")
     os.makedirs(work, exist_ok=True)
-    with open(CORPUS) as f:
-        corpus = f.read()
-    tok = CharTokenizer(corpus)
-    tok_path = os.path.join(work, "tokenizer.json")
-    with open(tok_path, "wb") as f:
-        f.write(tok.to_bytes())
-    text = torch.tensor(tok.encode(corpus))
+    data_dir = prepare_char_data(os.path.join(work, "char"))
+    tok = load_tokenizer(data_dir)
+    tok_path = data_dir   # the converter takes the prepared data dir as the tokenizer
     print(f"shape {args.shape}; torch {torch.get_num_threads()} thread(s); fp32; workdir {work}", flush=True)
     outs = {}
     for label, config in (("dense", args.dense), ("mod", args.mod)):
-        run, n, summary = make_run(label, config, args, work, tok, text, tok.hash)
+        run, n, summary = make_run(label, config, args, work, data_dir, tok.hash)
         out = os.path.join(work, f"hf_{label}")
         wall, peak = convert_timed(run, out, tok_path)
         fp32 = 4 * n
@@ -214,8 +243,8 @@ def main(argv=None) -> int:
         print(f"{label:6s} convert {wall:5.1f} s, peak RSS {peak / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB, "
               f"{'ok' if peak <= bound else 'OVER'})", flush=True)
         outs[label] = out
-    split = int(0.9 * len(text))
-    prompt = text[split:split + args.prompt_len].unsqueeze(0)
+    # Held-out text: a window of the validation split (character ids, below any model's vocabulary).
+    prompt = batches(data_dir, "val", 1, 1, args.prompt_len, tok.vocab_size, seed=0)[0][0]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         res = sampling_speed(outs, prompt, args.new_tokens, args.repeats, device)

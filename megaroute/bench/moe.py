@@ -1,53 +1,68 @@
 """Dense vs MoD vs MoE vs MoDE on character-level Tiny Shakespeare, and the MoE layer's cost on CPU.
 
-    python -m megaroute.bench.moe [--quick] [--steps N] [--threads 1]
+    python -m megaroute.bench.moe [--quick] [--dense-steps N] [--seeds 0 1 2] [--jobs 1] [--threads 1]
+                                  [--reuse] [--runs-dir runs/bench_moe] [--only compare|step_time]
 
-1. Comparison at matched training FLOPs: each config of COMPARED (configs/experiments/) trains in
-   process (AdamW, the config's lr with linear warmup, no DeepSpeed) for as many steps as the
-   dense model's `--steps` steps cost in training FLOPs (megaroute.flops, 3 x forward), on the same
-   data order. Then thresholds are calibrated on training batches and each model is evaluated on
-   fixed validation batches: eval/loss in causal mode (each token routed from its own past, the
-   comparison metric), val/loss_topk in training mode. The MoE configs keep char_dense's shape and
-   experts of the dense FFN's size at top-1, so their ACTIVE parameters equal dense's (+ router):
-   matched training FLOPs and matched active parameters at once; their total is ~3x.
+1. The comparison: each config of COMPARED (configs/experiments/) trains through launcher/pretrain.py
+   (the real DeepSpeed engine and trainer: GuardedAdamW with decay on matrices only, warm-up then
+   cosine to optim.min_lr at the run's own last step, gradient clipping; one CPU rank, tracking off),
+   evaluated once at its last step by the trainer's Evaluator (thresholds calibrated on training
+   batches as every run's evaluation does). Two tables, from the runs' own metrics.jsonl:
+   - matched training FLOPs (HOLDS["flops"]): each config trains for as many steps as char_dense's
+     `--dense-steps` steps cost (megaroute.flops training FLOPs per token x tokens; the launcher's
+     train/flops_seen is what the table prints), so MoD and MoDE, cheaper per token, see more tokens;
+   - matched active parameters (HOLDS["active_params"]): each config trains char_dense's step count,
+     i.e. the same tokens; the configs are built with equal active parameters (the MoE ones: experts
+     of the dense FFN's size at top-1), which the table shows; the routed-depth ones spend fewer FLOPs.
+   Runs with the same (config, steps, seed) are trained once and appear in both tables. Every run
+   warms up over WARMUP_FRACTION of its steps. Same train.seed -> the same initialization seed and
+   data order for every config; with several --seeds the table gives mean +- sample std.
 2. Step time: a training step (forward + backward) of char_moe vs char_dense, whose active FLOPs are
    equal up to the router (printed), interleaved on the same batches; and, inside one MoE FFN, the
    share of its forward + backward time spent outside the expert matmuls (router, top-k, capacity,
    permutation and combine), against the same matmuls on pre-grouped rows.
 
---quick: 60 dense steps (the others: the same training FLOPs) and fewer timing repeats, ~15 minutes on
-a loaded 2-core machine; a smoke test of the comparison, not a converged result. One seed.
+--quick: QUICK_DENSE_STEPS char_dense steps, seed 0 only (8 runs), fewer timing repeats: the comparison
+took 25 minutes at 1 thread on a 2-core machine under load average 8-15 from other jobs (its first run,
+char_dense, 62 s); an early-training smoke comparison, not a converged result. Default: char_dense's
+train.max_steps (400) and seeds 0 1 2 (27 runs); `--jobs N` trains N runs at once (N free cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from .. import metric_names as names
 from ..config import Config, load_config
 from ..data.loader import PackedDataset, SequenceLoader
-from ..flops import estimate_flops
+from ..flops import estimate_flops, flops_per_token
 from ..kernels import reference
-from ..model import ForwardOptions, build_model
-from ..model.routing import RoutingContext, calibrate_thresholds
+from ..model import build_model
+from ..model.routing import RoutingContext
 from ..model.routing.moe import MoEFFN, active_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPARED = ["char_dense", "char_mod", "char_moe", "char_mode_staged", "char_mode_integrated"]
+HOLDS = {"flops": "matched training FLOPs", "active_params": "matched active parameters (and tokens)"}
+QUICK_DENSE_STEPS = 60
+WARMUP_FRACTION = 0.1
+ACTIVE_TOLERANCE = 0.01   # the active-parameter table refuses configs further than this from char_dense's
 
 
 def _config(name: str) -> Config:
     cfg = load_config(os.path.join(REPO, "configs", "experiments", f"{name}.yaml"))
     cfg.data.output_dir = os.path.join(REPO, cfg.data.output_dir)
     return cfg
-
-
-def _train_flops_per_seq(cfg: Config) -> int:
-    return estimate_flops(cfg.model, cfg.routing, cfg.data.seq_len).train
 
 
 def _batches(cfg: Config, split: str, n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -57,65 +72,151 @@ def _batches(cfg: Config, split: str, n: int, seed: int = 0) -> list[tuple[torch
     return [next(loader) for _ in range(n)]
 
 
-def train_and_evaluate(cfg: Config, steps: int, train: list, val: list) -> dict:
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, cfg.routing)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                            weight_decay=cfg.optim.weight_decay)
-    warmup = min(cfg.optim.warmup_steps, steps // 4)
-    model.train()
-    start = time.perf_counter()
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / max(1, warmup))
-        x, y = train[step % len(train)]
-        loss = model(x, y).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        opt.step()
-    seconds = time.perf_counter() - start
-    model.eval()
-    with torch.no_grad():
-        calibrate_thresholds(model, lambda t: model(t, options=ForwardOptions(mode="causal", calibrate=True)),
-                             [x for x, _ in train[:4]])
-        losses, executed = {}, []
-        for mode in ("causal", "topk"):
-            outs = [model(x, y, options=ForwardOptions(mode=mode)) for x, y in val]
-            losses[mode] = statistics.fmean(float(o.lm_loss) for o in outs)
-            if mode == "causal":
-                executed = [float(v) for o in outs for v in o.executed.values()]
+@dataclass(frozen=True)
+class Sizes:
+    """What one config costs and holds: training FLOPs per token (megaroute.flops), parameters."""
+    name: str
+    train_flops_per_token: float
+    total_params: int
+    active_params: int
+    tokens_per_step: int
+    eval_batches: int = 0        # the evaluation: batches of micro_batch x seq_len validation sequences
+    micro_batch: int = 0
+    seq_len: int = 0
+
+
+def sizes(cfg: Config) -> Sizes:
     T = cfg.data.seq_len
-    return {"name": cfg.name, "steps": steps, "train_flops_per_token": _train_flops_per_seq(cfg) / T,
-            "total_params": sum(p.numel() for p in model.parameters()),
-            "active_params": active_params(model, cfg.routing, T), "eval_loss": losses["causal"],
-            "loss_topk": losses["topk"], "exec_frac": statistics.fmean(executed) if executed else 1.0,
-            "train_s": seconds}
+    model = build_model(cfg.model, cfg.routing, device="meta")
+    return Sizes(cfg.name, flops_per_token(cfg.model, cfg.routing, T, training=True), model.num_params(),
+                 active_params(model, cfg.routing, T), cfg.train.global_batch_size * T, cfg.train.eval_batches,
+                 cfg.train.micro_batch_size, T)
 
 
-def compare(dense_steps: int) -> list[dict]:
-    cfgs = [_config(n) for n in COMPARED]
-    budget = dense_steps * _train_flops_per_seq(cfgs[0])
-    steps = [max(1, round(budget / _train_flops_per_seq(cfg))) for cfg in cfgs]
-    # One data order for all: the cheaper methods see more of it, never a repeat of it.
-    train = _batches(cfgs[0], "train", max(steps), seed=cfgs[0].train.seed)
-    val = _batches(cfgs[0], "val", cfgs[0].train.eval_batches)
-    rows = []
-    for cfg, n in zip(cfgs, steps):
-        rows.append(train_and_evaluate(cfg, n, train, val))
-        print(f"  trained {cfg.name}: {n} steps", flush=True)
-    return rows
+def plan_steps(configs: list[Sizes], dense_steps: int, hold: str) -> dict[str, int]:
+    """Steps of each config: the first config's (dense's) FLOPs (hold=flops) or its steps, i.e. its tokens
+    (hold=active_params, after checking the active parameters are equal within ACTIVE_TOLERANCE)."""
+    ref = configs[0]
+    if hold == "flops":
+        budget = dense_steps * ref.tokens_per_step * ref.train_flops_per_token
+        return {c.name: max(1, round(budget / (c.tokens_per_step * c.train_flops_per_token))) for c in configs}
+    if hold != "active_params":
+        raise ValueError(f"hold must be one of {', '.join(HOLDS)}, got {hold!r}")
+    for c in configs:
+        if abs(c.active_params / ref.active_params - 1) > ACTIVE_TOLERANCE:
+            raise ValueError(f"{c.name}: {c.active_params:,} active parameters, {ref.name} {ref.active_params:,}: "
+                             f"more than {ACTIVE_TOLERANCE:.0%} apart, so not a matched-active-parameter comparison")
+    return {c.name: dense_steps for c in configs}
 
 
-def format_compare(rows: list[dict], dense_steps: int) -> str:
-    lines = [f"Matched training FLOPs (= char_dense x {dense_steps} steps), batch 16 x 128 characters, one seed",
-             (f"| {'config':<22}| {'steps':>5} | {'train FLOP/token':>16} | {'active params':>13} | "
-              f"{'total params':>12} | {'eval/loss (causal)':>18} | {'val/loss_topk':>13} | {'exec_frac':>9} |"),
-             "|" + "---|" * 8]
-    for r in rows:
-        lines.append(f"| {r['name']:<22}| {r['steps']:>5} | {r['train_flops_per_token'] / 1e6:>14.3f}M | "
-                     f"{r['active_params']:>13,} | {r['total_params']:>12,} | {r['eval_loss']:>18.4f} | "
-                     f"{r['loss_topk']:>13.4f} | {r['exec_frac']:>9.3f} |")
+@dataclass(frozen=True)
+class Job:
+    config: str
+    steps: int
+    seed: int
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.config}-steps{self.steps}-seed{self.seed}"
+
+
+def launcher_overrides(job: Job, runs_dir: str) -> list[str]:
+    """One run through the launcher: evaluated and logged at its last step only, no checkpoint before it."""
+    return [f"runs_dir={runs_dir}", f"name={job.run_name}", f"train.max_steps={job.steps}", "train.max_tokens=null",
+            "train.max_flops=null", f"train.seed={job.seed}", f"train.eval_interval={job.steps}",
+            f"train.log_interval={job.steps}", f"checkpoint.interval={job.steps}", "checkpoint.resume=none",
+            f"optim.warmup_steps={max(1, round(WARMUP_FRACTION * job.steps))}", "tracking.enabled=false"]
+
+
+def _records(run_dir: str) -> dict[str, dict]:
+    """The last "train" and "eval" records of a run's metrics.jsonl."""
+    last = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            last[record["kind"]] = record
+    return last
+
+
+def train(job: Job, runs_dir: str, threads: int, reuse: bool) -> dict:
+    """Trains one job through the launcher (or keeps its finished run with --reuse) -> {"train": .., "eval": ..,
+    "reused": bool}."""
+    run_dir = os.path.join(runs_dir, job.run_name)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if reuse and os.path.exists(metrics):
+        last = _records(run_dir)
+        if last.get("eval", {}).get("step") == job.steps:
+            return {**last, "reused": True}
+    if os.path.exists(metrics):
+        os.remove(metrics)  # a fresh run appends to it
+    os.makedirs(runs_dir, exist_ok=True)
+    cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config",
+           os.path.join(REPO, "configs/experiments", f"{job.config}.yaml"), *launcher_overrides(job, runs_dir)]
+    log = os.path.join(runs_dir, f"{job.run_name}.log")
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
+    if rc != 0:
+        raise SystemExit(f"{job.run_name} failed (exit {rc}); see {log}")
+    return {**_records(run_dir), "reused": False}
+
+
+def compare(dense_steps: int, seeds: list[int], runs_dir: str, threads: int = 1, jobs: int = 1,
+            reuse: bool = False) -> dict[str, list[dict]]:
+    """hold -> one row per config: its steps, sizes and the per-seed records of its runs."""
+    configs = [sizes(_config(n)) for n in COMPARED]
+    steps = {hold: plan_steps(configs, dense_steps, hold) for hold in HOLDS}
+    todo = list(dict.fromkeys(Job(c.name, steps[hold][c.name], s) for hold in HOLDS for c in configs for s in seeds))
+    print(f"{len(todo)} runs: " + ", ".join(j.run_name for j in todo), flush=True)
+
+    def run(job: Job) -> dict:
+        start = time.perf_counter()
+        out = train(job, runs_dir, threads, reuse)
+        print(f"  {job.run_name}: {names.LOSS}={out['eval'][names.LOSS]:.4f} ({time.perf_counter() - start:.0f} s)",
+              flush=True)
+        return out
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = {job: {**out, "run": job.run_name} for job, out in zip(todo, pool.map(run, todo))}
+    return {hold: [{"sizes": c, "steps": steps[hold][c.name],
+                    "runs": [done[Job(c.name, steps[hold][c.name], s)] for s in seeds]} for c in configs]
+            for hold in HOLDS}
+
+
+def _stat(values: list[float], spec: str = ".4f") -> str:
+    """mean, and +- the sample standard deviation over seeds when there are several."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = format(statistics.fmean(values), spec)
+    return mean if len(values) == 1 else f"{mean} ± {format(statistics.stdev(values), spec)}"
+
+
+def format_compare(hold: str, rows: list[dict], seeds: list[int]) -> str:
+    ref = rows[0]
+    ref_flops = statistics.fmean(r["train"]["train/flops_seen"] for r in ref["runs"])
+    n = len(seeds)
+    seeded = (f"mean ± sample std over {n} seeds ({', '.join(map(str, seeds))})" if n > 1
+              else f"one seed ({seeds[0]}): no spread measured")
+    r0 = ref["runs"][0]
+    title = (f"{HOLDS[hold][0].upper()}{HOLDS[hold][1:]}: {ref['sizes'].name} {ref['steps']} steps of "
+             f"{ref['sizes'].tokens_per_step:,} tokens ({r0['train']['train/tokens_seen']:,.0f} tokens, "
+             f"{ref_flops:.3g} training FLOPs); {seeded}. Trained through the launcher; eval/loss: autoregressive "
+             "(causal routing, each token from its own past), val/loss_topk: training-mode top-k routing (sees "
+             f"future tokens); {ref['sizes'].eval_batches} validation batches of {ref['sizes'].micro_batch} x "
+             f"{ref['sizes'].seq_len}; eval/exec_frac: the executed fraction of a routed-depth method's blocks "
+             "(-: every token runs every block).")
+    head = ["config", "steps", "tokens", "train FLOPs", "vs dense", "active params", "total params",
+            "eval/loss (causal)", "val/loss_topk", "eval/exec_frac"]
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        s, runs = row["sizes"], row["runs"]
+        flops = statistics.fmean(r["train"]["train/flops_seen"] for r in runs)
+        lines.append("| " + " | ".join([
+            s.name, str(row["steps"]), f"{runs[0]['train']['train/tokens_seen']:,.0f}", f"{flops:.3g}",
+            f"{flops / ref_flops:.3f}x", f"{s.active_params:,}", f"{s.total_params:,}",
+            _stat([r["eval"].get(names.LOSS) for r in runs]), _stat([r["eval"].get(names.TOPK_LOSS) for r in runs]),
+            _stat([r["eval"].get(names.EXEC_FRAC) for r in runs], ".3f")]) + " |")
     return "\n".join(lines)
 
 
@@ -201,21 +302,46 @@ def format_step_time(r: dict) -> str:
     ])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and repeats (minutes on 2 CPU cores)")
-    p.add_argument("--steps", type=int, default=None, help="char_dense training steps (the FLOP budget)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_DENSE_STEPS} char_dense steps, seed 0, fewer "
+                   "timing repeats (minutes on 2 CPU cores)")
+    p.add_argument("--dense-steps", type=int, default=None,
+                   help="char_dense training steps: the FLOP budget and the token count (default: its train.max_steps)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="train.seed of each repetition "
+                   "(default 0 1 2; --quick: 0)")
+    p.add_argument("--jobs", type=int, default=1, help="trainings at once (one CPU thread each)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each training and of the step timing")
+    p.add_argument("--runs-dir", help="default: runs/bench_moe (runs/bench_moe_quick with --quick)")
+    p.add_argument("--reuse", action="store_true", help="keep finished runs of the same steps and seed")
     p.add_argument("--only", choices=["compare", "step_time"], default=None)
     args = p.parse_args(argv)
+    for key in ("dense_steps", "jobs", "threads"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1")
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    if len(set(seeds)) != len(seeds):
+        p.error(f"--seeds must be distinct, got {seeds}")
     torch.set_num_threads(args.threads)
-    steps = args.steps or (60 if args.quick else 600)
     if args.only != "step_time":
-        rows = compare(steps)
-        print(format_compare(rows, steps), flush=True)
+        dense_steps = args.dense_steps or (QUICK_DENSE_STEPS if args.quick else _config(COMPARED[0]).train.max_steps)
+        runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "bench_moe_quick" if args.quick
+                                                                 else "bench_moe"))
+        start = time.perf_counter()
+        tables = compare(dense_steps, seeds, runs_dir, args.threads, args.jobs, args.reuse)
+        text = "\n\n".join(format_compare(hold, rows, seeds) for hold, rows in tables.items())
+        runs = {r["run"]: r["reused"] for rows in tables.values() for row in rows for r in row["runs"]}
+        reused = sum(runs.values())
+        footer = (f"{'--quick: ' if args.quick else ''}{len(runs) - reused} runs trained now ({args.jobs} at a time, "
+                  f"{args.threads} thread(s) each), {reused} reused from {runs_dir} (--reuse); wall time "
+                  f"{time.perf_counter() - start:.0f} s")
+        with open(os.path.join(runs_dir, "moe_tables.md"), "w") as f:
+            f.write(f"{text}\n\n{footer}\n")
+        print(f"\n{text}\n\n{footer}\ntables: {os.path.join(runs_dir, 'moe_tables.md')}", flush=True)
     if args.only != "compare":
         print(format_step_time(step_time(repeats=10 if args.quick else 30)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -140,12 +140,13 @@ class RunResult:
     size: str
     budget: float
     seed: int
-    n_params: int
+    n_params: int                    # total parameters; ACTIVE ones in a `hold: active_params` sweep (its axis)
     status: str
     val_loss: Optional[float]
     loss_key: Optional[str] = None   # which of the requested metrics val_loss is
     routing: Optional[str] = None    # the run's routing method (tag "routing"; "none" = dense)
     lr_mult: float = 1.0             # the point's learning-rate multiplier (tag lr_mult; sweeps with lr_sweep)
+    hold: str = "flops"              # what the sweep held equal across variants (tag hold; spec key `hold`)
 
 
 # Loss metrics in order of preference per run (megaroute.metric_names). `sweep analyze` reads eval/loss
@@ -179,10 +180,11 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
         if t.get(TAG_ROLE):  # the parent, analysis runs: not points
             continue
         key = next((m for m in metrics if m in r.data.metrics), None)
+        hold = t.get("hold", "flops")
         results.append(RunResult(r.info.run_id, r.info.run_name, t["variant"], t["size"], float(t["budget"]),
-                                 int(t["seed"]), int(t["n_params"]), r.info.status,
-                                 r.data.metrics[key] if key else None, key, t.get("routing"),
-                                 float(t.get("lr_mult") or 1.0)))
+                                 int(t["seed"]), int(t["active_params" if hold == "active_params" else "n_params"]),
+                                 r.info.status, r.data.metrics[key] if key else None, key, t.get("routing"),
+                                 float(t.get("lr_mult") or 1.0), hold))
     return parent, results
 
 

@@ -14,6 +14,12 @@ the point and the reason, a point that ends inside its warm-up, trains on fewer 
 `min_tokens_per_param` tokens per parameter, or (design) whose model misses its target size by
 more than design.shape.tolerance; all before anything is submitted.
 
+With `hold: active_params` (spec.py) the first variant is the reference: its points are planned as
+above, and at each (budget, size) every other variant trains on the reference's tokens (steps =
+tokens / its tokens per step) with the reference's shape, and is refused when its active parameters
+are more than `active_tolerance` off the reference's; its FLOPs are whatever those tokens cost it
+(the table's "vs budget"), not the budget.
+
 Per point the plan sets (design.py documents the rules): the shape (model.d_model, n_layers,
 n_heads) with `design:`, optim.lr and optim.min_lr with `lr:` (times the point's `lr_sweep`
 multiplier), train.global_batch_size with `batch: compute`, optim.warmup_steps (and
@@ -22,7 +28,6 @@ optim.decay_fraction) with `schedule:`, and always train.max_steps.
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ from typing import Optional
 from ..config import Config, load_config
 from ..flops import flops_per_token, peak_flops
 from ..model import build_model
+from ..model.routing.moe import active_params
 from .design import Grid, decay_steps, design_grid, sbatch_ranks
 from .spec import SweepSpec, SweepSpecError, Variant
 
@@ -61,6 +67,7 @@ class Point:
     target_params: Optional[float] = None   # design: the grid's target total parameters
     prior_params: Optional[float] = None    # design: the prior compute-optimal N* of (budget, variant)
     tags: tuple[tuple[str, str], ...] = ()  # the MLflow tags (also in the overrides)
+    active_params: int = 0        # parameters one token uses (MoE: top-k experts; `megaroute inspect`)
 
     @property
     def tokens(self) -> int:
@@ -88,11 +95,13 @@ def budget_label(budget: float) -> str:
 
 
 def point_tags(spec: SweepSpec, variant: str, size: str, budget: float, seed: int, index: int, n_params: int,
-               lr_mult: float = 1.0, prior_params: Optional[float] = None):
+               lr_mult: float = 1.0, prior_params: Optional[float] = None, n_active: Optional[int] = None):
     tags = {TAG_SWEEP: spec.name, "budget": f"{budget:.6g}", "size": size, "variant": variant, "seed": str(seed),
             "sweep_index": str(index), "n_params": str(n_params), "lr_mult": f"{lr_mult:g}"}
     if prior_params is not None:
         tags["prior_n_opt"] = str(round(prior_params))
+    if spec.hold != "flops":  # the budget tag is then the reference variant's FLOPs, not this run's
+        tags.update(hold=spec.hold, active_params=str(n_active))
     return tags
 
 
@@ -101,8 +110,10 @@ def _tag_overrides(tags: dict[str, str]) -> list[str]:
     return [f'tracking.tags.{k}="{v}"' for k, v in tags.items()]
 
 
-def _count_params(cfg: Config) -> int:
-    return build_model(cfg.model, cfg.routing, device="meta").num_params()
+def _count_params(cfg: Config) -> tuple[int, int]:
+    """(total, active) parameters of the config's model, built on the meta device."""
+    model = build_model(cfg.model, cfg.routing, device="meta")
+    return model.num_params(), active_params(model, cfg.routing, cfg.data.seq_len)
 
 
 @dataclass(frozen=True)
@@ -167,18 +178,22 @@ def plan(spec: SweepSpec, extra_overrides: tuple[str, ...] = (), parent_run_id: 
     # sizes[budget][variant] -> list of _Size (the same list at every budget with `sizes:`)
     fixed = [_Size(s, ov) for s, ov in spec.sizes.items()]
     sizes: dict[float, dict[str, list[_Size]]] = {}
+    ref = spec.variants[0]
     for variant in spec.variants:
         _check_ruled(spec, variant, extra_overrides)
-        base = load_config(variant.config, common_of[variant.name]) if spec.design is not None else None
+        # hold: active_params -> every variant takes the reference's grid of shapes
+        grid_of = ref if spec.hold == "active_params" else variant
+        base = load_config(grid_of.config, common_of[grid_of.name]) if spec.design is not None else None
         for budget in spec.budgets:
             sizes.setdefault(budget, {})[variant.name] = (
-                fixed if spec.design is None else _grid_sizes(spec, variant, budget, base))
+                fixed if spec.design is None else _grid_sizes(spec, grid_of, budget, base))
     ranks = sbatch_ranks(spec.sbatch)
-    cache: dict[tuple[str, str], tuple[Config, int, float]] = {}
+    cache: dict[tuple[str, str], tuple[Config, tuple[int, int], float]] = {}
     points = []
     n_sizes = len(fixed) if spec.design is None else spec.design.sizes
     for budget in spec.budgets:
         for rank in range(n_sizes):
+            reference: Optional[Point] = None   # the first variant's point of this (budget, size)
             for variant in spec.variants:
                 size = sizes[budget][variant.name][rank]
                 common = [*size.overrides, *common_of[variant.name]]
@@ -191,13 +206,18 @@ def plan(spec: SweepSpec, extra_overrides: tuple[str, ...] = (), parent_run_id: 
                 for seed in spec.seeds:
                     for lr_mult in spec.lr_sweep:
                         points.append(_point(spec, len(points), variant, size, budget, seed, lr_mult, cfg, n_params,
-                                             fpt, common, ranks, peak, parent_run_id))
+                                             fpt, common, ranks, peak, parent_run_id,
+                                             reference if spec.hold == "active_params" else None))
+                reference = reference or points[-1]
     return points
 
 
 def _point(spec: SweepSpec, index: int, variant: Variant, size: _Size, budget: float, seed: int, lr_mult: float,
-           cfg: Config, n_params: int, fpt: float, common: list[str], ranks: Optional[int], peak: float,
-           parent_run_id: Optional[str]) -> Point:
+           cfg: Config, params: tuple[int, int], fpt: float, common: list[str], ranks: Optional[int], peak: float,
+           parent_run_id: Optional[str], reference: Optional[Point] = None) -> Point:
+    """One point; `reference` (hold: active_params, every variant but the first): the first variant's point
+    at this (budget, size), whose tokens this one trains on and whose active parameters it must match."""
+    n_params, n_active = params
     suffix = f"-lr{lr_mult:g}" if len(spec.lr_sweep) > 1 or lr_mult != 1 else ""
     name = f"{spec.name}-{variant.name}-{size.name}-C{budget_label(budget)}-s{seed}{suffix}"
     where = f"{name} (index {index})"
@@ -205,7 +225,12 @@ def _point(spec: SweepSpec, index: int, variant: Variant, size: _Size, budget: f
     def refuse(key: str, why: str):
         raise SweepSpecError(spec.path, key, f"{where}: {why}")
 
-    if size.target is not None and abs(n_params / size.target - 1) > spec.design.shape.tolerance:
+    if reference is not None:
+        if abs(n_active / reference.active_params - 1) > spec.active_tolerance:
+            refuse("active_tolerance", f"{n_active} active parameters, {n_active / reference.active_params - 1:+.1%} "
+                   f"off {reference.variant}'s {reference.active_params} at this size (hold: active_params, "
+                   f"tolerance {spec.active_tolerance:.0%}); give this variant a config of the same active size")
+    elif size.target is not None and abs(n_params / size.target - 1) > spec.design.shape.tolerance:
         refuse("design.shape.tolerance", f"the shape rule's nearest model has {n_params} parameters, "
                f"{n_params / size.target - 1:+.1%} off the grid's target {_si(size.target)} (tolerance "
                f"{spec.design.shape.tolerance:.0%}); refine design.shape (d_multiple, aspect_range)")
@@ -216,11 +241,19 @@ def _point(spec: SweepSpec, index: int, variant: Variant, size: _Size, budget: f
         global_batch = spec.batch.sequences(budget, cfg.data.seq_len, cfg.train.micro_batch_size * dp)
         rules.append(f"train.global_batch_size={global_batch}")
     tokens_per_step = global_batch * cfg.data.seq_len
-    steps = round(budget / (fpt * tokens_per_step))
+    if reference is not None:  # the reference's tokens, whatever they cost this variant
+        steps = max(1, round(reference.tokens / tokens_per_step))
+        error = steps * tokens_per_step / reference.tokens - 1
+        if abs(error) > spec.budget_tolerance:
+            refuse("hold", f"{steps} steps of {tokens_per_step} tokens miss {reference.variant}'s {reference.tokens} "
+                   f"tokens by {error:+.2%} (hold: active_params, tolerance {spec.budget_tolerance:.0%}); make "
+                   f"train.global_batch_size x data.seq_len divide them")
+    else:
+        steps = round(budget / (fpt * tokens_per_step))
     if steps < 1:
         refuse("budgets", f"budget {budget:.3g} is less than one optimizer step ({fpt * tokens_per_step:.3g} FLOPs)")
     error = steps * tokens_per_step * fpt / budget - 1
-    if abs(error) > spec.budget_tolerance:
+    if reference is None and abs(error) > spec.budget_tolerance:
         refuse("budgets", f"{steps} steps of {tokens_per_step} tokens miss budget {budget:.3g} by {error:+.2%} "
                f"(tolerance {spec.budget_tolerance:.0%}); raise the budget or lower train.global_batch_size")
     decay_fraction = cfg.optim.decay_fraction
@@ -249,7 +282,7 @@ def _point(spec: SweepSpec, index: int, variant: Variant, size: _Size, budget: f
         lr, min_lr = cfg.optim.lr * lr_mult, cfg.optim.min_lr * lr_mult
     if spec.lr is not None or lr_mult != 1:
         rules += [f"optim.lr={lr:.4g}", f"optim.min_lr={min_lr:.4g}"]
-    tags = point_tags(spec, variant.name, size.name, budget, seed, index, n_params, lr_mult, size.prior)
+    tags = point_tags(spec, variant.name, size.name, budget, seed, index, n_params, lr_mult, size.prior, n_active)
     # runs_dir before the common overrides so a command-line runs_dir=... wins.
     overrides = (f"runs_dir={spec.run_root}", *common, *rules, f"name={name}", f"variant={variant.name}",
                  f"size={size.name}", f"train.seed={seed}", f"train.max_steps={steps}",
@@ -262,7 +295,7 @@ def _point(spec: SweepSpec, index: int, variant: Variant, size: _Size, budget: f
     return Point(index, variant.name, size.name, budget, seed, name, os.path.relpath(variant.config_path(size.name)),
                  overrides, n_params, fpt, tokens_per_step, steps, gpu_hours, final.optim.lr, lr_mult, global_batch,
                  warmup, decay_steps(final.optim.schedule, decay_fraction, warmup, steps), size.target, size.prior,
-                 tuple(tags.items()))
+                 tuple(tags.items()), n_active)
 
 
 def _si(x: float) -> str:
@@ -274,14 +307,19 @@ def _si(x: float) -> str:
 
 def format_table(points: list[Point]) -> str:
     """One row per point (tokens/param, steps, warm-up and decay steps, learning rate, batch), then per
-    (budget, variant) the prior optimum and where the grid lies around it."""
+    (budget, variant) the prior optimum and where the grid lies around it. With hold: active_params the
+    "vs target" column compares ACTIVE parameters with the target (the reference's grid)."""
     sweep = any(p.lr_mult != 1 for p in points)
     design = any(p.target_params is not None for p in points)
-    head = ("idx", "variant", "size", "params", *(("vs target",) if design else ()), "budget", "tokens", "tok/param",
+    hold_active = any(dict(p.tags).get("hold") == "active_params" for p in points)
+    routed_width = hold_active or any(p.active_params not in (0, p.n_params) for p in points)
+    held = (lambda p: p.active_params) if hold_active else (lambda p: p.n_params)
+    head = ("idx", "variant", "size", "params", *(("active",) if routed_width else ()),
+            *(("vs target",) if design else ()), "budget", "tokens", "tok/param",
             "steps", "warm-up", "decay", "LR", *(("LR x",) if sweep else ()), "batch", "FLOPs/tok", "vs budget",
             "GPU-h", "run")
-    rows = [(str(p.index), p.variant, p.size, _si(p.n_params),
-             *((f"{p.n_params / p.target_params - 1:+.1%}",) if design else ()), f"{p.budget:.3g}", _si(p.tokens),
+    rows = [(str(p.index), p.variant, p.size, _si(p.n_params), *((_si(p.active_params),) if routed_width else ()),
+             *((f"{held(p) / p.target_params - 1:+.1%}",) if design else ()), f"{p.budget:.3g}", _si(p.tokens),
              f"{p.tokens_per_param:.3g}", str(p.steps), str(p.warmup_steps), str(p.decay_steps), f"{p.lr:.3g}",
              *((f"{p.lr_mult:g}",) if sweep else ()), str(p.global_batch_size), _si(p.flops_per_token),
              f"{p.budget_error:+.2%}", f"{p.gpu_hours:.3g}", p.run_name) for p in points]
@@ -291,16 +329,20 @@ def format_table(points: list[Point]) -> str:
              for r in (head, *rows)]
     if design:
         lines.append("prior optimum N* per budget and variant (design: tokens/param prior, routing-aware FLOPs), "
-                     "grid sizes in parameters:")
+                     f"grid sizes in {'ACTIVE ' if hold_active else ''}parameters:")
         groups: dict[tuple[float, str], list[Point]] = {}
         for p in points:
             groups.setdefault((p.budget, p.variant), []).append(p)
         for (budget, variant), ps in groups.items():
-            sizes = sorted({p.n_params for p in ps})
+            sizes = sorted({held(p) for p in ps})
             n_star = ps[0].prior_params
             below = sum(n < n_star for n in sizes)
             lines.append(f"  C={budget:.3g} {variant}: N*={_si(n_star)}, grid {' '.join(_si(n) for n in sizes)} "
                          f"({below} below N*, {len(sizes) - below} above)")
+    if hold_active:
+        lines.append(f"hold: active_params: at each (budget, size) every variant has {points[0].variant}'s active "
+                     f"parameters and trains on its tokens; the budget is {points[0].variant}'s training FLOPs, "
+                     "\"vs budget\" what the others spend")
     total = sum(p.gpu_hours for p in points)
     return "\n".join([*lines, f"{len(points)} points, {total:.3g} GPU-hours estimated"])
 

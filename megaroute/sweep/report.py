@@ -143,6 +143,11 @@ def _analyze(uri, sweep, runs, keys, base_dir, name, run_id, parent, select) -> 
     fits = A.isoflop_fits(rows)
     fronts = A.frontiers(fits)
     baseline, diff_note = baseline_variant(kept)
+    if any(r.hold == "active_params" for r in kept):
+        diff_note = " ".join(filter(None, [diff_note, "hold: active_params: parameters are ACTIVE parameters, and "
+                                           "each budget is the first variant's training FLOPs; the other variants "
+                                           "trained on its tokens at its active size, so their curves are not "
+                                           "isoFLOP: compare them at matched size."]))
     if keys != HONEST_LOSS and baseline is not None:
         diff_note = " ".join(filter(None, [diff_note, "NOT A COMPARISON: routed losses here are training-mode figures "
                                            "(they see future tokens) and dense's are eval/loss; these differences "

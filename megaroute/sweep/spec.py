@@ -2,7 +2,8 @@
 
     name: isoflop-v2                 # sweep id: tags every run, names run directories
     experiment: isoflop              # MLflow experiment of all runs and the parent run
-    budgets: [1.0e19, 3.0e19]        # training FLOPs per run
+    budgets: [1.0e19, 3.0e19]        # training FLOPs per run (with `hold: active_params`: the first variant's)
+    hold: flops                      # what the variants share at a (budget, size): flops | active_params
     variants:                        # variant name -> base config (+ overrides)
       dense: {config: ../base_sweep.yaml}
       mod:   {config: ../base_sweep.yaml, overrides: [routing.method=mod, routing.capacity=0.125]}
@@ -37,6 +38,19 @@ A key a rule sets per point (model.d_model/n_layers/n_heads with `design:`, opti
 optim.min_lr with `lr:`, train.global_batch_size with `batch: compute`, optim.warmup_steps with
 `schedule:`) may not also be overridden by the spec or the command line.
 
+`hold:` says what every variant holds equal at one (budget, size) cell, the first variant being the
+reference (usually dense):
+  - flops (default): each point trains for the budget's training FLOPs (megaroute.flops, routing-aware):
+    a variant that is cheaper per token (MoD, MoDE) trains on more tokens. With `design:` each variant
+    gets its own grid around its own prior optimum.
+  - active_params: each variant has the reference's ACTIVE parameters (megaroute.model.routing.moe
+    .active_params, what `megaroute inspect` prints: an MoE FFN counts its top-k experts, not all E) and
+    trains on the reference's tokens; the budget is the reference's training FLOPs, the other variants
+    spend what those tokens cost them (the plan's "vs budget" column). With `design:` every variant takes
+    the reference's grid of shapes. The plan refuses a variant whose active parameters are more than
+    `active_tolerance` (default 0.03) off the reference's at the same cell, or whose tokens per step do
+    not divide the reference's tokens within `budget_tolerance`.
+
 Paths are relative to the spec file. Unknown keys are errors, like in run configs.
 """
 
@@ -52,6 +66,7 @@ from ..config import ConfigError
 from .design import BATCH_KEYS, BATCH_RULES, LR_KEYS, LR_RULES, BatchRule, Design, LrRule, Schedule, ShapeRule
 
 GPUS = ("a100", "v100", "cpu")
+HOLDS = ("flops", "active_params")   # spec key `hold`: what the variants share at a (budget, size) cell
 
 
 class SweepSpecError(ConfigError):
@@ -96,6 +111,8 @@ class SweepSpec:
     schedule: Optional[Schedule] = None
     lr_sweep: tuple[float, ...] = (1.0,)
     min_tokens_per_param: Optional[float] = None
+    hold: str = "flops"              # HOLDS; active_params: the first variant's active parameters and tokens
+    active_tolerance: float = 0.03   # hold: active_params: |active / reference's active - 1| allowed
 
     @property
     def run_root(self) -> str:
@@ -103,7 +120,8 @@ class SweepSpec:
 
 
 _KEYS = {"name", "experiment", "budgets", "sizes", "design", "variants", "seeds", "overrides", "runs_dir", "gpu",
-         "sbatch", "mfu", "budget_tolerance", "lr", "batch", "schedule", "lr_sweep", "min_tokens_per_param"}
+         "sbatch", "mfu", "budget_tolerance", "lr", "batch", "schedule", "lr_sweep", "min_tokens_per_param", "hold",
+         "active_tolerance"}
 MIN_DESIGN_SIZES = 5   # per budget: the parabola of `sweep analyze` needs points on both sides of the optimum
 
 
@@ -174,6 +192,19 @@ def load_spec(path: str) -> SweepSpec:
     tol = raw.get("budget_tolerance", 0.01)
     if not isinstance(tol, (int, float)) or not 0 < tol < 1:
         raise SweepSpecError(path, "budget_tolerance", f"must be in (0, 1), got {tol!r}")
+    hold = raw.get("hold", "flops")
+    if hold not in HOLDS:
+        raise SweepSpecError(path, "hold", f"must be one of {', '.join(HOLDS)} (what the variants share at a "
+                             f"(budget, size)), got {hold!r}")
+    active_tol = raw.get("active_tolerance", 0.03)
+    if not (_number(active_tol) and 0 < active_tol < 0.5):
+        raise SweepSpecError(path, "active_tolerance", f"must be a number in (0, 0.5), got {active_tol!r}")
+    if "active_tolerance" in raw and hold != "active_params":
+        raise SweepSpecError(path, "active_tolerance", "applies with `hold: active_params` only (this spec holds "
+                             f"{hold} fixed)")
+    if hold == "active_params" and len(variants) < 2:
+        raise SweepSpecError(path, "hold", "active_params matches every variant to the first one's active "
+                             "parameters: give at least two variants")
     runs_dir = raw.get("runs_dir")
     lr = _lr(path, raw["lr"]) if "lr" in raw else (LrRule() if design else None)
     batch = _batch(path, raw["batch"]) if "batch" in raw else (BatchRule() if design else None)
@@ -197,6 +228,7 @@ def load_spec(path: str) -> SweepSpec:
         runs_dir=runs_dir, gpu=gpu, sbatch=tuple(_check_overrides(path, "sbatch", raw.get("sbatch", []), "--")),
         mfu=float(mfu), budget_tolerance=float(tol), design=design, lr=lr, batch=batch, schedule=schedule,
         lr_sweep=tuple(float(m) for m in lr_sweep), min_tokens_per_param=None if min_tpp is None else float(min_tpp),
+        hold=hold, active_tolerance=float(active_tol),
     )
 
 
