@@ -2,6 +2,7 @@
 
     python -m megaroute.bench.step [--steps 10 --warmup 2 --precision fp32 bf16 --threads 1 --clock thread]
     python -m megaroute.bench.step --variants reference dense mod     # today's dense step vs the optimised one
+    python -m megaroute.bench.step --variants dense mod --compile     # eager vs torch.compile'd blocks
     python -m megaroute.bench.step --device cuda [--shape 157m --batch 8 16 --seq-len 1024]
     python -m megaroute.bench.step --device cuda --config configs/dense_350m.yaml configs/mod_350m.yaml
 
@@ -19,7 +20,9 @@ the optimised step (fused RoPE, CPU bf16 attention as matmuls, chunked cross-ent
 `mod` (capacity 0.125), the capacity baselines `random` / `stride` / `first_k` (same capacity),
 `depth_gate` (budget 0.5), `halting` (soft training forward) and `early_exit`, each routing every
 2nd block. Targets: dense >= 1.3x faster than reference in fp32 and >= 1.2x in bf16; MoD's
-step/dense at most 1.05x its FLOPs ratio.
+step/dense at most 1.05x its FLOPs ratio. `--compile` adds a `<variant>+compile` twin of each
+variant (but reference), its blocks compiled (`Transformer.compile_blocks`, what `train.compile: true`
+runs), interleaved with the rest; compilation happens in the warmup steps, so it is not timed.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
 variants' steps are interleaved round by round so machine noise hits all alike. On a shared
@@ -60,6 +63,7 @@ SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's st
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
 TARGET_RUN = (SHAPE, 8, 256)  # the speedup targets are set at nanoGPT's shape, batch 8 x 256
 REFERENCE = "reference"  # dense, reference math and torch's default AdamW: today's step
+COMPILED = "+compile"  # suffix of a variant whose blocks are torch.compile'd (--compile)
 _ROUTED = dict(every=2, offset=1)
 VARIANTS = {
     "dense": RoutingConfig(),
@@ -133,16 +137,21 @@ class Trainer:
 
 
 def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: int, seed: int = 0,
-                 device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False) -> Trainer:
+                 device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False,
+                 compile: bool = False) -> Trainer:
     """A trainer with the training loop's optimizer (GuardedAdamW, decay on matrices); `reference`:
-    the reference math and torch's default AdamW implementation, i.e. the step before issue 19."""
+    the reference math and torch's default AdamW implementation, i.e. the step before issue 19;
+    `compile`: the blocks torch.compile'd (Transformer.compile_blocks), compiled at the first step."""
     shape = shape or SHAPE
     torch.manual_seed(seed)
     cuda = torch.device(device).type == "cuda"
     model = build_model(shape, routing, device=device)  # fp32 weights: autocast runs the math in 16 bits
     # GuardedAdamW picks torch's fused kernel; foreach=None is torch's default (a loop on CPU)
     impl = {"foreach": None} if reference else {}
-    optim = GuardedAdamW(param_groups(model.set_fused(not reference), 0.1), lr=1e-4, **impl)
+    model.set_fused(not reference)
+    if compile:
+        model.compile_blocks()  # after set_fused: it switches the blocks to the traceable math
+    optim = GuardedAdamW(param_groups(model, 0.1), lr=1e-4, **impl)
     data = torch.randint(0, shape.vocab_size, (batch, seq_len + 1)).to(device)
     scaler = torch.amp.GradScaler("cuda") if cuda and precision == "fp16" else None
     return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler)
@@ -193,7 +202,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     if torch.device(device).type == "cuda":
         for name, (shape, routing) in variants.items():
             trainer = make_trainer(routing, precision, batch, seq_len, device=device, shape=shape,
-                                   reference=name == REFERENCE)
+                                   reference=name == REFERENCE, compile=name.endswith(COMPILED))
             for i in range(warmup + steps):
                 phases = trainer.step()
                 if i >= warmup:
@@ -201,7 +210,8 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
             del trainer
             torch.cuda.empty_cache()
         return times, []
-    trainers = {name: make_trainer(r, precision, batch, seq_len, shape=shape, reference=name == REFERENCE)
+    trainers = {name: make_trainer(r, precision, batch, seq_len, shape=shape, reference=name == REFERENCE,
+                                   compile=name.endswith(COMPILED))
                 for name, (shape, r) in variants.items()}
     dtype = AMP_DTYPES.get(precision, torch.float32)
     peaks = []
@@ -217,11 +227,11 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
 
 def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
                   shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None,
-                  reference: bool = False) -> str:
+                  reference: bool = False, compile: bool = False) -> str:
     """Operator table (self CPU time; self device time on CUDA) of training steps, to see where time goes."""
     trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape,
-                           reference=reference)
-    trainer.step()  # warm up allocator and kernels outside the profile
+                           reference=reference, compile=compile)
+    trainer.step()  # warm up allocator and kernels (and compile) outside the profile
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -234,14 +244,16 @@ def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
            peaks: list[float], peak_size: int = 2048, speedup_targets: bool = True) -> str:
     """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
-    GFLOP/s and MFU (of the median step, against the best measured matmul); then the targets."""
+    GFLOP/s and MFU (of the median step, against the best measured matmul); then the targets, and
+    each compiled variant against its eager twin."""
     total = {name: [sum(p.values()) for p in steps] for name, steps in times.items()}
     med = {name: statistics.median(t) for name, t in total.items()}
     peak = max(peaks)
     dtype = "bf16" if precision == "bf16" else "fp32"
+    width = max(11, *map(len, total))
     lines = [f"[{precision}] {len(next(iter(total.values())))} timed steps per variant, interleaved; measured "
              f"{dtype} matmul peak ({peak_size}^3, best of {len(peaks)}): {peak / 1e9:.1f} GFLOP/s",
-             f"  {'variant':<11} {'FLOPs/dense':>11} {'step ms':>9} {'(best)':>8} {'step/dense':>10} "
+             f"  {'variant':<{width}} {'FLOPs/dense':>11} {'step ms':>9} {'(best)':>8} {'step/dense':>10} "
              f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}   median ms: fwd / bwd / optim"]
     dense = med.get("dense")
     for name, t in total.items():
@@ -249,7 +261,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
         gflops = tokens * flops[name] / med[name] / 1e9
         rel = f"{med[name] / dense:10.3f} {med[name] / dense / share:7.2f}x" if dense else f"{'':>10} {'':>8}"
         phases = " / ".join(f"{statistics.median(p[ph] for p in times[name]) * 1e3:.0f}" for ph in PHASES)
-        lines.append(f"  {name:<11} {share:11.3f} {med[name] * 1e3:9.1f} {min(t) * 1e3:8.1f} {rel} "
+        lines.append(f"  {name:<{width}} {share:11.3f} {med[name] * 1e3:9.1f} {min(t) * 1e3:8.1f} {rel} "
                      f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}   {phases}")
     if dense and REFERENCE in med:
         target = SPEEDUP_TARGETS.get(precision) if speedup_targets else None
@@ -268,6 +280,16 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
         fwd_bwd = {name: statistics.median(p["forward"] + p["backward"] for p in times[name]) for name in ("mod", "dense")}
         ratio = fwd_bwd["mod"] / fwd_bwd["dense"]
         lines.append(f"  forward+backward only (median): mod/dense {ratio:.3f} = {ratio / flops_ratio:.2f} x FLOPs ratio")
+    for name in total:
+        eager = name.removesuffix(COMPILED)
+        if name.endswith(COMPILED) and eager in total:
+            speedups = "; ".join(f"{stat.__name__} {stat(total[eager]) / stat(total[name]):.3f}x" for stat in (statistics.median, min))
+            lines.append(f"  {name} vs eager {eager}: {speedups} faster (eager step / compiled step)")
+    mod_c, dense_c = f"mod{COMPILED}", f"dense{COMPILED}"
+    if mod_c in med and dense_c in med:
+        ratio, flops_ratio = med[mod_c] / med[dense_c], flops["mod"] / flops["dense"]
+        lines.append(f"  median step-time ratio {mod_c}/{dense_c} {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
+                     f"{ratio / flops_ratio:.2f} x")
     return "\n".join(lines)
 
 
@@ -435,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each variant (but reference) with its blocks torch.compile'd, as "
+                             "`<variant>+compile` (train.compile: true)")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler tables (CPU: of each variant's steps; CUDA: of MoD's)")
     args = parser.parse_args(argv)
@@ -459,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants and "dense" not in args.variants:
         parser.error("--variants must include dense (ratios are to dense)")
     variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
+    if args.compile:
+        if args.warmup < 1:
+            parser.error("--compile needs --warmup >= 1 (the first step compiles)")
+        variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name != REFERENCE})
     for name, (shape, _) in variants.items():
         if args.seq_len > shape.max_seq_len:
             parser.error(f"--seq-len {args.seq_len} exceeds {name}'s model.max_seq_len={shape.max_seq_len}")
@@ -488,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 for name, (s, r) in variants.items():
                     print(f"\n[{precision}] profile of {name} steps (wall time per op)")
-                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, reference=name == REFERENCE))
+                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, reference=name == REFERENCE,
+                                        compile=name.endswith(COMPILED)))
     return 0
 
 

@@ -10,6 +10,9 @@ vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
 tests/unit/model/test_fused.py and the benchmark's "reference" row): fused RoPE and CPU bf16
 attention (attention.py) and, on CPU without TP, the LM loss computed a chunk of rows at a time
 (`chunked_cross_entropy`).
+
+`compile_blocks()` (`train.compile: true`) runs each block's dense math through torch.compile; the
+routing glue around it stays eager (see its docstring).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParallelEmbedding, gather_from_tp,
                         tp_size, vocab_parallel_cross_entropy)
 from ..parallel.mappings import Group
+from .block import TransformerBlock
 from .cache import KVCache
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
@@ -78,6 +82,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if buf is not None:
                 out[s:e].copy_(p)
         return out, None
+
+
+def _compiled_update(compiled, block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     pos: Optional[Positions] = None) -> torch.Tensor:
+    """TransformerBlock._update through `compiled` (torch.compile of it); incremental decoding (`pos`
+    carries the KV cache, whose appends change shape every call) stays eager."""
+    if pos is not None:
+        return TransformerBlock._update(block, x, cos, sin, pos)
+    return compiled(block, x, cos, sin)
 
 
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,6 +166,29 @@ class Transformer(nn.Module):
         for module in self.modules():
             if hasattr(module, "fused"):
                 module.fused = fused
+        return self
+
+    def compile_blocks(self, backend: str = "inductor", dynamic: Optional[bool] = False) -> "Transformer":
+        """torch.compile each block's dense math, in place: TransformerBlock._update (norms, attention,
+        SwiGLU), the piece dense, MoD, the capacity baselines, soft halting and early exit all run.
+
+        Per block, not the whole model, so the routing glue (top-k, gathers, ragged counts, statistics,
+        running thresholds) stays eager and never breaks the compiled graph; the blocks share one
+        compiled function (parameters are graph inputs), so `dynamic=False` compiles once per input
+        shape: the dense length T and each routed k (and once more for no-grad evaluation). Pieces
+        other layers call on their own (the depth gate's attention and FFN paths, MoE experts, the
+        ragged path of hard halting and causal MoD) stay eager. The blocks switch to the reference math
+        (`fused = False`): the fused RoPE writes into strided `out=` views, which torch.compile cannot
+        trace, and inductor fuses the reference RoPE itself; so call `set_fused` before this, not after.
+        Activation checkpointing recomputes the compiled function; the model then no longer pickles.
+        """
+        compiled = torch.compile(TransformerBlock._update, backend=backend, dynamic=dynamic)
+        for layer in self.layers:
+            for module in layer.block.modules():
+                if hasattr(module, "fused"):
+                    module.fused = False
+            # A partial, not a closure: deepcopy maps its block argument to the copied block.
+            layer.block._update = partial(_compiled_update, compiled, layer.block)
         return self
 
     @torch.no_grad()

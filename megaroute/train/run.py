@@ -225,6 +225,8 @@ def _model(cfg: Config, env: DistEnv, layout: ParallelLayout, init_path: Optiona
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(f"controller-only: training {n:,} of {model.num_params():,} parameters "
                   f"({len(trainable)} tensors)", flush=True)
+    if cfg.train.compile:
+        model.compile_blocks()  # lazy: each shape compiles at its first call, after the engine casts the weights
     return model
 
 

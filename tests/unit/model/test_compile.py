@@ -1,0 +1,128 @@
+"""Transformer.compile_blocks (train.compile): compiled blocks against eager ones, no graph breaks on
+the dense path, one compilation per routed shape.
+
+Graph breaks and recompilations are decided by dynamo and AOTAutograd, before any backend runs, so
+the fast tests use the `aot_eager` backend (no code generation); one slow test runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megaroute.config import ConfigError, ModelConfig, RoutingConfig, load_config
+from megaroute.model import ForwardOptions, build_model
+
+REPO = Path(__file__).resolve().parents[3]
+CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=2, max_seq_len=16)
+MOD = RoutingConfig(method="mod", capacity=0.25, every=2, offset=1)
+
+
+@pytest.fixture
+def dynamo():
+    """A clean dynamo cache and counters before and after the test (the cache is per code object)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _pair(routing: RoutingConfig, backend: str):
+    """(eager model, the same weights with compiled blocks), both on the reference math the compiled
+    blocks trace (compile_blocks switches them to it)."""
+    torch.manual_seed(0)
+    eager = build_model(CFG, routing).set_fused(False)
+    return eager, copy.deepcopy(eager).compile_blocks(backend=backend)
+
+
+def _step(model, tokens):
+    model.zero_grad(set_to_none=True)
+    out = model(tokens[:, :-1], targets=tokens[:, 1:])
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_step(eager, compiled, tokens, tol):
+    loss_e, grads_e = _step(eager, tokens)
+    loss_c, grads_c = _step(compiled, tokens)
+    torch.testing.assert_close(loss_c, loss_e, rtol=tol, atol=tol)
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=tol, atol=tol, msg=name)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_dense_blocks_match_eager_in_one_graph_without_breaks(dynamo):
+    eager, compiled = _pair(RoutingConfig(), "aot_eager")
+    # deepcopy keeps each copied block bound to its own compiled update
+    assert all(layer.block._update.args[1] is layer.block for layer in compiled.layers)
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    for _ in range(2):
+        _assert_same_step(eager, compiled, tokens, 1e-6)
+    assert dict(dynamo["graph_break"]) == {}
+    assert _graphs() == 1  # every block of every step reuses one graph (parameters are its inputs)
+    # activation checkpointing recomputes the compiled update in backward: same graph, same gradients
+    for layer in compiled.layers:
+        layer.block.checkpoint_activations = True
+    _assert_same_step(eager, compiled, tokens, 1e-6)
+    assert _graphs() == 1
+    with torch.no_grad():  # evaluation: one inference graph more, same values
+        torch.testing.assert_close(compiled(tokens[:, :-1]).logits, eager(tokens[:, :-1]).logits)
+    assert _graphs() == 2 and dict(dynamo["graph_break"]) == {}
+
+
+def test_routed_model_compiles_once_per_routed_shape(dynamo):
+    eager, compiled = _pair(MOD, "aot_eager")
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    _assert_same_step(eager, compiled, tokens, 1e-6)
+    # two shapes in training: T tokens (dense blocks) and k = capacity * T (the routed blocks)
+    assert _graphs() == 2 and dict(dynamo["graph_break"]) == {}
+    for _ in range(3):  # later steps (new tokens, new selections, updated weights) compile nothing
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+        _step(compiled, tokens)
+        with torch.no_grad():
+            for p in compiled.parameters():
+                p.add_(p.grad, alpha=-1e-2)
+    assert _graphs() == 2 and dynamo["frames"]["total"] == 2
+
+
+def test_cached_decoding_stays_eager_and_matches(dynamo):
+    eager, compiled = _pair(RoutingConfig(), "aot_eager")
+    eager.eval(), compiled.eval()
+    tokens = torch.randint(0, CFG.vocab_size, (1, 6))
+    with torch.no_grad():
+        cache_e, cache_c = eager.new_cache(), compiled.new_cache()
+        for t in range(tokens.shape[1]):
+            step = tokens[:, t:t + 1]
+            out_e = eager(step, options=ForwardOptions(mode="causal", cache=cache_e)).logits
+            out_c = compiled(step, options=ForwardOptions(mode="causal", cache=cache_c)).logits
+            torch.testing.assert_close(out_c, out_e)
+    assert _graphs() == 0  # the KV-cache path never reaches the compiled function
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", [RoutingConfig(), MOD], ids=["dense", "mod"])
+def test_inductor_compiled_blocks_match_eager(dynamo, routing):
+    eager, compiled = _pair(routing, "inductor")
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    _assert_same_step(eager, compiled, tokens, 1e-5)
+    assert dict(dynamo["graph_break"]) == {}
+
+
+def test_train_compile_config():
+    tiny = str(REPO / "configs/tiny_mod.yaml")
+    assert load_config(tiny, []).train.compile is False
+    assert load_config(tiny, ["train.compile=true"]).train.compile is True
+    for overrides, message in ((["train.compile=maybe"], "expected bool"),
+                               (["train.compile=true", "optim.zero_stage=3"], "zero_stage <= 2")):
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(tiny, overrides)
+        assert "train.compile" in str(err.value)
