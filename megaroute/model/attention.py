@@ -7,10 +7,15 @@ q/k/v block), the output projection row-parallel (its all-reduce returns a repli
 (rope.split_qkv_rotary) and, for bf16 on CPU, runs causal attention as explicit matmuls
 (`causal_attention`); `fused = False` keeps the reference math (float32 RoPE, torch's SDPA kernel),
 which tests/unit/model/test_fused.py holds the fused path to.
+
+`forward_varlen` attends within each of several sequences laid end to end (the ragged routed path,
+routing/ragged.py): a varlen kernel on CUDA, a few length-sorted padded buckets on CPU.
 """
 
 from __future__ import annotations
 
+import itertools
+from functools import partial
 from typing import Optional
 
 import torch
@@ -22,6 +27,7 @@ from ..parallel.mappings import Group
 from .rope import Positions, apply_rotary, split_qkv_rotary
 
 EAGER_MAX_LEN = 1024
+VARLEN_BUCKETS = 2  # CPU varlen attention: padded groups of sequences (BucketLayout)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -38,6 +44,73 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return torch.matmul(torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1), v)
 
 
+def _length_buckets(lengths: list[int], n_buckets: int) -> list[list[int]]:
+    """The non-empty sequences (indices into lengths) sorted longest first and cut into n_buckets runs
+    (empty ones last when there are fewer sequences), each to be padded to its first (longest) length:
+    cuts are added greedily, each where it removes the most padded score work, sum(size * longest^2)."""
+    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
+    sq = [lengths[i] ** 2 for i in order]
+    cuts = [0, len(order)]
+    while len(cuts) - 1 < n_buckets:
+        best, gain = None, 0
+        for a, b in zip(cuts, cuts[1:]):  # cutting run [a, b) at c pads rows c.. to sq[c], not sq[a]
+            for c in range(a + 1, b):
+                if (b - c) * (sq[a] - sq[c]) > gain:
+                    best, gain = c, (b - c) * (sq[a] - sq[c])
+        if best is None:
+            break
+        cuts = sorted([*cuts, best])
+    runs = [order[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    return runs + [[] for _ in range(n_buckets - len(runs))]
+
+
+class BucketLayout:
+    """Sequences laid end to end ([N, ...] rows, lengths their counts) in n_buckets padded buckets:
+    bucket after bucket, each [its sequences, its longest length] row-major (`_length_buckets`; always
+    n_buckets of them, empty ones included, so the torch calls do not depend on the data). A padding slot
+    repeats its sequence's last real row: padding follows the real rows, so causal attention hides it
+    from every real query, and its outputs are dropped (no gradient reaches it)."""
+
+    def __init__(self, lengths: list[int], n_buckets: int, device: torch.device):
+        self.buckets = []  # (first slot, sequences, longest)
+        base, order, width, S = [0] * len(lengths), [], [], 0
+        for seqs in _length_buckets(lengths, n_buckets):
+            self.buckets.append((S, len(seqs), lengths[seqs[0]] if seqs else 0))
+            for s in seqs:
+                base[s], S = S, S + lengths[seqs[0]]
+                order.append(s)
+                width.append(lengths[seqs[0]])
+        starts = list(itertools.accumulate(lengths, initial=0))[:-1]
+        base_t, starts_t, len_t = torch.tensor([base, starts, lengths], dtype=torch.long, device=device)
+        order_t, width_t = torch.tensor([order, width], dtype=torch.long, device=device).view(2, -1)
+        seq = order_t.repeat_interleave(width_t, output_size=S)  # per slot
+        j = torch.arange(S, device=device) - base_t[seq]
+        self.source = starts_t[seq] + torch.minimum(j, len_t[seq] - 1)  # [S]: the row each slot reads
+        row_seq = torch.arange(len(lengths), device=device).repeat_interleave(len_t, output_size=sum(lengths))
+        self.slot = base_t[row_seq] + torch.arange(row_seq.shape[0], device=device) - starts_t[row_seq]  # [N]
+
+    def pad(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """[N, *rest] -> per bucket [sequences, longest, *rest]."""
+        padded = flat.index_select(0, self.source)
+        return [padded.narrow(0, first, n * kmax).view(n, kmax, *flat.shape[1:]) for first, n, kmax in self.buckets]
+
+    def unpad(self, padded: list[torch.Tensor]) -> torch.Tensor:
+        """Per bucket [sequences, longest, *rest] -> the N real rows [N, *rest]."""
+        return torch.cat([p.reshape(-1, *p.shape[2:]) for p in padded]).index_select(0, self.slot)
+
+
+def jagged_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Causal attention within each of the sequences laid end to end in q, k, v [N, H, Dh] (lengths:
+    their counts, summing to N, zeros allowed) -> [N, H, Dh], as one varlen kernel (cu_seqlens style)
+    through a jagged nested tensor: torch's flash / memory-efficient SDPA on CUDA. torch 2.13 has no
+    causal jagged SDPA on CPU. NOT YET RUN ON A GPU (no test covers it)."""
+    nonempty = [n for n in lengths if n]  # the fused kernels reject empty sequences
+    offsets = torch.tensor(list(itertools.accumulate(nonempty, initial=0)), device=q.device)
+    nested = [torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, min_seqlen=min(nonempty),
+                                                    max_seqlen=max(nonempty)).transpose(1, 2) for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*nested, is_causal=True).transpose(1, 2).values()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, tp_group: Group = None):
         super().__init__()
@@ -48,12 +121,16 @@ class CausalSelfAttention(nn.Module):
         self.fused = True  # False: the reference math (see the module docstring)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                pos: Optional[Positions] = None) -> torch.Tensor:
+                pos: Optional[Positions] = None, lengths: Optional[list[int]] = None) -> torch.Tensor:
         """x [B, T, D], tokens in ascending position order, so index order is causal order.
 
         With `pos.kv` (incremental decoding) the keys/values of pos's real rows are appended to that
         layer cache and the queries attend to everything cached at earlier or equal positions.
+        With `lengths`: `forward_varlen` (x [N, D], sequences laid end to end), through the module
+        call so hooks (FLOP counters, profilers) see this module.
         """
+        if lengths is not None:
+            return self.forward_varlen(x, cos, sin, lengths)
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)
         if self.fused:
@@ -67,3 +144,39 @@ class CausalSelfAttention(nn.Module):
             mask = pos.kv.append(k, v, pos.positions, pos.valid)
             y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # T may be 0
+
+    def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, 3, H, Dh], tables [B, 1, T, Dh/2] -> rotated q, k and v, each [B, H, T, Dh]."""
+        if self.fused:
+            return split_qkv_rotary(qkv, cos, sin)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward_varlen(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
+                       n_buckets: int = VARLEN_BUCKETS) -> torch.Tensor:
+        """`forward` (no KV cache) of sequences laid end to end: x [N, D], each sequence's tokens in
+        ascending position order, lengths their counts (python ints, zeros allowed), cos and sin
+        [N, 1, 1, Dh/2] (Positions of positions [N, 1]); no token attends across sequences.
+
+        The projections run on the N rows. CUDA (fp16/bf16/fp32): RoPE on the N rows and one varlen
+        kernel (`jagged_causal_attention`, untested on GPU). Elsewhere the projected rows are gathered
+        once into `n_buckets` padded buckets of sequences sorted by length (BucketLayout), RoPE and
+        causal attention per bucket: the same torch calls whatever the batch size or the lengths.
+        """
+        N, H, Dh = x.shape[0], self.n_heads, self.head_dim
+        if sum(lengths) != N or min(lengths, default=0) < 0:
+            raise ValueError(f"forward_varlen: lengths {lengths} must be >= 0 and sum to x's {N} rows")
+        qkv = self.qkv(x).view(N, 1, 3, H, Dh)  # each row a length-1 "sequence" for _rotary
+        if N and qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            q, k, v = (t.squeeze(2) for t in self._rotary(qkv, cos, sin))
+            y = jagged_causal_attention(q, k, v, lengths)
+        else:
+            attend = causal_attention if self.fused else partial(F.scaled_dot_product_attention, is_causal=True)
+            layout = BucketLayout(lengths, n_buckets, x.device)
+            ys = []
+            for qkv_b, cos_b, sin_b in zip(*(layout.pad(t.squeeze(1)) for t in (qkv, cos, sin))):
+                q, k, v = self._rotary(qkv_b, cos_b.transpose(1, 2), sin_b.transpose(1, 2))
+                ys.append(attend(q, k, v).transpose(1, 2))
+            y = layout.unpad(ys)
+        return self.out(y.reshape(N, H * Dh))

@@ -1,26 +1,23 @@
 """Ragged dispatch without padding the token-wise work: the selected tokens of the batch as one flat set.
 
     rows   = flat indices b * T + t of the selected tokens, row-major     [N], N = total selected
-    delta  = the block's update of x.flat[rows]: attention on the rows scattered to a [B, max count]
-             layout (each token at its original position), the FFN and its norm on the flat [N, D]
+    delta  = the block's update of x.flat[rows], computed on the flat [N, D] rows: norms, projections,
+             FFN; attention per sequence (CausalSelfAttention.forward_varlen), each token at its
+             original position, attending to the selected tokens of its own sequence up to itself
     out    = x;  out.flat[rows] += weight * delta   (accumulated in float32 or wider, rounded once)
 
-The padded path (dispatch.mask_indices -> gather -> block.update -> combine) runs the whole block
-on B x max(count) rows. Here only attention does (block.attn_update, the block's own module, so
-the layer computes exactly what the block computes: fused kernels, tensor parallelism): the rows
-are laid out in [B, max(count)] slots in row-major order, so each sequence's tokens stay
-ascending (index order is causal order) and its padding rows follow the real ones and are never
-their keys; attention's output is gathered straight back to the N rows. The FFN, two thirds of a
-SwiGLU block's matmul FLOPs, runs on N rows. With tokens chosen evenly over the batch (80%,
-B = 8, T = 256) attention's padding is ~5% of its rows; when sequences differ widely in count
-(one runs every token) attention pays for B x T rows, the rest for N (python -m
-megaroute.bench.dispatch shows both). Projecting q/k/v and the output on the N rows instead
-(attention's math repeated here) measured no faster (one layer, d 384, B 8, T 256, spread 80%:
-0.91 vs 0.87 of dense; d 128: 0.80 vs 0.80): what spread selections cost is the padded scores.
-One SDPA per sequence would avoid them, at the price of a Python loop over the batch.
+The padded path (dispatch.mask_indices -> gather -> block.update -> combine) runs the whole block on
+B x max(count) rows. Here every matmul runs on the N rows; only attention's scores need a per-sequence
+layout. On CUDA (fp16/bf16/fp32) that is one varlen kernel over the flat rows (a jagged nested tensor
+into torch's flash / memory-efficient SDPA; not yet run on a GPU). On CPU, where torch 2.13 has no
+causal varlen kernel, the sequences are sorted by count into attention.VARLEN_BUCKETS groups, each
+padded to its longest, with a fixed number of torch calls whatever the batch (no per-sequence Python
+loop): padded scores are bounded by the bucketing, padded projections are gone. Padding rows repeat a
+real row and follow the real ones, so no real query attends to them and their outputs are dropped.
 
 tests/unit/model/routing/test_ragged.py holds this path equal to the padded one, forward and
-backward. Incremental decoding (a KV cache) keeps the padded path (execute.py).
+backward, and forward_varlen equal to attention over each sequence alone. Incremental decoding (a
+KV cache) keeps the padded path (execute.py).
 """
 
 from __future__ import annotations
@@ -45,37 +42,10 @@ def index_rows(idx: torch.Tensor, valid: torch.Tensor, seq_len: int) -> tuple[to
     return (idx + offsets)[valid], valid.sum(dim=1)
 
 
-class Slots:
-    """Where each of the N flat rows sits in a [B, kmax] padded layout (row-major, real rows first)."""
-
-    def __init__(self, rows: torch.Tensor, counts: torch.Tensor, seq_len: int):
-        self.B, self.N = counts.shape[0], rows.shape[0]
-        self.kmax = int(counts.max()) if self.B else 0  # the one host sync: buffer sizes depend on it
-        seq = torch.div(rows, seq_len, rounding_mode="floor")
-        starts = counts.cumsum(0) - counts  # first flat row of each sequence
-        self.slot = seq * self.kmax + torch.arange(self.N, device=rows.device) - starts[seq]  # [N]
-        # Each padded slot reads a real row: its own, or for padding its sequence's last one (any
-        # finite row would do: padding follows the real rows, so no real row attends to it, and its
-        # outputs are dropped, so it gets no gradient). A gather is ~4x faster than index_copy on CPU.
-        j = torch.arange(self.kmax, device=rows.device).unsqueeze(0)
-        self.source = (starts.unsqueeze(1) + torch.minimum(j, (counts - 1).clamp(min=0).unsqueeze(1))
-                       ).clamp(max=max(self.N - 1, 0)).reshape(-1)
-
-    def pad(self, flat: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [B, kmax, ...]; padding rows repeat real ones (zeros when N = 0)."""
-        if self.N == 0:
-            return flat.new_zeros((self.B, self.kmax, *flat.shape[1:]))
-        return flat.index_select(0, self.source).view(self.B, self.kmax, *flat.shape[1:])
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """[B, kmax, ...] -> the N real rows [N, ...]."""
-        return padded.reshape(self.B * self.kmax, *padded.shape[2:]).index_select(0, self.slot)
-
-
-def _update(block: TransformerBlock, slots: Slots, x: torch.Tensor, cos: torch.Tensor,
+def _update(block: TransformerBlock, lengths: list[int], x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> torch.Tensor:
-    """TransformerBlock._update of the flat rows x [N, D]: attention on their padded layout."""
-    a = slots.unpad(block.attn_update(slots.pad(x), cos, sin))
+    """TransformerBlock._update of the flat rows x [N, D] (block.attn_update, with varlen attention)."""
+    a = block.attn(block.attn_norm(x), cos, sin, lengths=lengths)  # CausalSelfAttention.forward_varlen
     return a + block.mlp_update(block.mlp_input(x + a))
 
 
@@ -88,9 +58,9 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
     """
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    slots = Slots(rows, counts, T)
-    sel = Positions(pos.rope, slots.pad(pos.positions.reshape(B * T).index_select(0, rows)))
-    delta = block.recomputed(partial(_update, block, slots), flat.index_select(0, rows), sel.cos, sel.sin)
+    lengths = counts.tolist()  # the one host sync: the attention layout depends on it
+    sel = Positions(pos.rope, pos.positions.reshape(B * T).index_select(0, rows).unsqueeze(1))  # [N, 1]
+    delta = block.recomputed(partial(_update, block, lengths), flat.index_select(0, rows), sel.cos, sel.sin)
     acc = torch.promote_types(torch.float32, torch.promote_types(x.dtype, delta.dtype))
     if weight is not None:
         acc = torch.promote_types(acc, weight.dtype)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megaroute.config import ModelConfig
+from megaroute.model.attention import BucketLayout, CausalSelfAttention, _length_buckets
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
 from megaroute.model.routing import dispatch
@@ -33,6 +34,8 @@ def _masks(seed: int) -> list[torch.Tensor]:
     mask = torch.rand(B, T, generator=g) < 0.6
     mask[0] = False  # an empty row
     mask[1] = True   # a full row
+    mask[2] = False
+    mask[2, 6] = True  # a single token, mid-sequence
     return [mask, torch.zeros(B, T, dtype=torch.bool), torch.ones(B, T, dtype=torch.bool)]
 
 
@@ -91,3 +94,98 @@ def test_ragged_float32_close_to_padded():
     out = update_masked(block, x, pos, mask, dispatcher=d)
     ref = update_padded(block, x, pos, idx, None, valid, dispatcher=d)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- varlen attention (attention.py)
+
+
+def test_length_buckets_cover_each_nonempty_sequence_once_longest_first():
+    lengths = [5, 0, 13, 1, 12, 7, 0, 13]
+    for n in (1, 2, 3, 8):
+        buckets = _length_buckets(lengths, n)
+        assert len(buckets) == n  # always n: the torch calls do not depend on the lengths
+        flat = [s for b in buckets for s in b]
+        assert sorted(flat) == [0, 2, 3, 4, 5, 7]
+        assert [lengths[s] for s in flat] == sorted((m for m in lengths if m), reverse=True)
+    assert _length_buckets(lengths, 2) == [[2, 7, 4], [5, 0, 3]]  # the cut that drops the most padded scores
+    assert _length_buckets([0, 0], 2) == [[], []] and _length_buckets([], 1) == [[]]
+
+
+def test_bucket_layout_pads_with_the_last_real_row_and_unpads_exactly():
+    lengths = [3, 0, 1, 4, 2]
+    flat = torch.arange(10.0).unsqueeze(1)
+    layout = BucketLayout(lengths, 2, flat.device)
+    padded = layout.pad(flat)
+    assert [tuple(p.shape) for p in padded] == [(2, 4, 1), (2, 2, 1)]  # [4, 3] and [2, 1] rows
+    assert padded[0].squeeze(-1).tolist() == [[4, 5, 6, 7], [0, 1, 2, 2]]
+    assert padded[1].squeeze(-1).tolist() == [[8, 9], [3, 3]]
+    assert torch.equal(layout.unpad(padded), flat)
+
+
+def _each_alone(attn, rope, x, positions, lengths):
+    """The reference: attn.forward on each sequence by itself, at its positions."""
+    out = []
+    for xs, ps in zip(x.split(lengths), positions.split(lengths)):
+        p = Positions(rope, ps.unsqueeze(0))
+        out.append(attn(xs.unsqueeze(0), p.cos, p.sin)[0])
+    return torch.cat(out)
+
+
+def _attention(fused: bool):
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(32, 4).double()
+    attn.fused = fused
+    return attn
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("n_buckets", [1, 2, 3])
+def test_forward_varlen_equals_each_sequence_alone_forward_and_backward(fused, n_buckets):
+    """Each sequence attends to itself only, at its own positions, whatever the bucketing."""
+    attn = _attention(fused)
+    rope = RotaryEmbedding(8, 32)
+    lengths = [4, 0, 11, 1, 7]  # an empty sequence, a single token, different lengths
+    x = torch.randn(sum(lengths), 32, dtype=torch.float64)
+    positions = torch.cat([torch.randperm(20)[:n].sort().values for n in lengths])  # gaps, like a routed selection
+    seed = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view_as(x)
+
+    def grads(out, x):
+        (out * seed).sum().backward()
+        g = [x.grad.clone()] + [p.grad.clone() for p in attn.parameters()]
+        attn.zero_grad(set_to_none=True)
+        return g
+
+    xv = x.clone().requires_grad_(True)
+    pos = Positions(rope, positions.unsqueeze(1))
+    out = attn.forward_varlen(xv, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
+    varlen_grads = grads(out, xv)
+    xr = x.clone().requires_grad_(True)
+    ref = _each_alone(attn, rope, xr, positions, lengths)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(varlen_grads, grads(ref, xr)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_forward_varlen_with_no_rows_runs_the_projections():
+    attn = _attention(True)
+    rope = RotaryEmbedding(8, 32)
+    x = torch.zeros(0, 32, dtype=torch.float64, requires_grad=True)
+    pos = Positions(rope, torch.zeros(0, 1, dtype=torch.long))
+    out = attn.forward_varlen(x, pos.cos, pos.sin, [0, 0, 0])
+    assert out.shape == (0, 32)
+    out.sum().backward()  # the weights get (zero) gradients, as on the padded path
+    assert all(p.grad is not None and not p.grad.any() for p in attn.parameters())
+    with pytest.raises(ValueError, match="sum to"):
+        attn.forward_varlen(x, pos.cos, pos.sin, [1, 0])
+
+
+def test_forward_varlen_bf16_close_to_each_sequence_alone():
+    """bf16 on CPU: causal_attention's explicit matmuls per bucket."""
+    attn = _attention(True).to(torch.bfloat16)
+    rope = RotaryEmbedding(8, 32)
+    lengths = [9, 3, 0, 12]
+    x = torch.randn(sum(lengths), 32, dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    pos = Positions(rope, positions.unsqueeze(1))
+    out = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
+    torch.testing.assert_close(out, _each_alone(attn, rope, x, positions, lengths), rtol=2e-2, atol=2e-2)
