@@ -21,16 +21,20 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """`command` (a subcommand's name): only its module is imported and registered; None or any
+    other word (--help, a typo): all of them, for the full list."""
     parser = argparse.ArgumentParser(prog="megaroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    for name, module in SUBCOMMANDS.items():
+        if command not in SUBCOMMANDS or name == command:
+            importlib.import_module(module).add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

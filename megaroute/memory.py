@@ -57,7 +57,9 @@ from .config.schema import parse_size
 from .flops import estimate_flops
 from .model import build_model
 from .model.attention import EAGER_MAX_LEN
-from .model.routing import is_controller_param, method_spec
+from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD, MODE_INTEGRATED, MODE_STAGED, MOE,
+                            RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
+from .model.routing.moe import expert_hidden
 from .parallel import TensorParallelModule
 
 # Bytes per parameter: (weights, gradients, fp32 states: master/fp32-grads/Adam).
@@ -386,8 +388,101 @@ def estimate_memory(
     )
 
 
+# A module's own parameters (sizes, not recursing into children) and whether TP splits them.
+_Module = tuple[tuple[int, ...], bool]
+
+
+def _linear(d_in: int, d_out: int, bias: bool = True) -> _Module:  # an nn.Linear, replicated over TP
+    return ((d_out * d_in, d_out) if bias else (d_out * d_in,)), False
+
+
+def _swiglu(d: int, hidden: int, sharded: bool) -> list[_Module]:
+    return [((2 * hidden * d,), sharded), ((hidden * d,), sharded)]
+
+
+def _mod_router(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
+    predictor = [_linear(m.d_model, r.predictor_hidden), _linear(r.predictor_hidden, 1)]
+    return [_linear(m.d_model, 1, bias=False), *(predictor if r.causal_method == "predictor" else [])]
+
+
+def _moe_ffn(m: ModelConfig, r: RoutingConfig, router_outputs: Optional[int] = None) -> list[_Module]:
+    """MoEFFN's stacked experts (replicated over TP) and router, plus the shared experts that replace
+    the block's dense FFN (a TP-split SwiGLU, or nothing)."""
+    d, h, E = m.d_model, expert_hidden(m, r.moe), r.moe.num_experts
+    shared = _swiglu(d, r.moe.shared_experts * h, True) if r.moe.shared_experts else []
+    return [((E * d * 2 * h, E * h * d), False), _linear(d, router_outputs or E, bias=False), *shared]
+
+
+def _depth_gate(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
+    d, g = m.d_model, r.depth_gate
+    if g.gate == "mlp":
+        scorer = [_linear(d, g.gate_hidden), _linear(g.gate_hidden, 1)]
+    else:  # jepa: context, action embedding, forecast, readout
+        scorer = [_linear(d, g.gate_hidden), ((2 * g.gate_hidden,), False), _linear(g.gate_hidden, g.latent_dim),
+                  _linear(g.latent_dim, 1)]
+    cheap = ([_linear(d, g.cheap_hidden, False), _linear(g.cheap_hidden, d, False)] if g.cheap == "low_rank"
+             else _swiglu(d, g.cheap_hidden, False))  # a controller: replicated over TP
+    return scorer + cheap
+
+
+# The built-in methods' routed layers: (the modules a routed layer adds beside its block, whether they
+# replace the block's dense FFN). Mirrors the layers' constructors; test_memory.py checks every method
+# against built models. Methods registered elsewhere are counted on a meta-device build instead.
+_ROUTED_PARAMS = {
+    DENSE: (lambda m, r: [], False),  # no block is routed
+    MOD: (_mod_router, False),
+    RANDOM: (lambda m, r: [], False),
+    STRIDE: (lambda m, r: [], False),
+    FIRST_K: (lambda m, r: [], False),
+    DEPTH_GATE: (_depth_gate, False),
+    HALTING: (lambda m, r: [((1,), False), _linear(m.d_model, r.halting.hidden),
+                            _linear(r.halting.hidden, 1, bias=False)], False),
+    EARLY_EXIT: (lambda m, r: [_linear(m.d_model, 1)], False),  # unrouted blocks have no exit head
+    MOE: (_moe_ffn, True),
+    MODE_STAGED: (lambda m, r: _mod_router(m, r) + _moe_ffn(m, r), True),
+    MODE_INTEGRATED: (lambda m, r: _moe_ffn(m, r, r.moe.num_experts + 1), True),
+}
+
+
+def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 1) -> Optional[dict[str, int]]:
+    """param_counts plus the largest tensor, from the config alone (no model built), for the built-in
+    routing methods; None for a method registered elsewhere."""
+    spec: MethodSpec = method_spec(routing.method)
+    if spec not in _ROUTED_PARAMS:
+        return None
+    d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
+    modules: list[_Module] = [((V * d,), True), ((d,), False)]  # embedding, final norm
+    for i in range(model.n_layers):
+        extra, replaces_ffn = [], False
+        if routing.is_routed(i):
+            layer_params, replaces_ffn = _ROUTED_PARAMS[spec]
+            extra = layer_params(model, routing)
+        modules += [((d,), False), ((d,), False), ((3 * d * d,), True), ((d * d,), True), *extra]
+        modules += [] if replaces_ffn else _swiglu(d, f, True)
+    total = sum(sum(sizes) for sizes, _ in modules)
+    sharded = sum(sum(sizes) for sizes, split in modules if split)
+    if not model.tie_embeddings:
+        modules.append(((V * d,), True))
+        total, sharded = total + V * d, sharded + V * d
+    largest = max(sum(sizes) for sizes, _ in modules)  # a tied LM head owns the embedding's V x d
+    return {
+        "total": total,
+        "non_embedding": total - V * d * (1 if model.tie_embeddings else 2),
+        "per_tp_rank": total - sharded + -(-sharded // tp),
+        "largest_layer": -(-largest // tp),
+        "largest_tensor": max(n for sizes, _ in modules for n in sizes),
+    }
+
+
 def config_params(cfg: Config, tp: int) -> dict[str, int]:
-    """param_counts of the config's model built on the meta device (no memory), plus its largest tensor."""
+    """param_counts of the config's model plus its largest tensor. Computed from the config for the
+    built-in methods: a meta-device build costs a second or more (torch's meta kernels import
+    torch._dynamo), all of it wasted by a launch the pre-flight refuses and by `inspect --fit` (a
+    training rank imports torch._dynamo later anyway, with its optimizer). Other methods: built on
+    the meta device (no memory)."""
+    counts = analytic_param_counts(cfg.model, cfg.routing, tp)
+    if counts is not None:
+        return counts
     model = build_model(cfg.model, cfg.routing, device="meta")
     counts = param_counts(model, tp)
     counts["largest_tensor"] = max(p.numel() for p in model.parameters())

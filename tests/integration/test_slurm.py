@@ -96,7 +96,7 @@ def test_two_node_pretrain(cluster, mlflow_server, job_env, char_data, tmp_path)
 # script must not requeue again).
 @pytest.mark.parametrize("stop", ["usr1", "requeue"])
 def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, job_env, char_data, tmp_path, stop):
-    steps = 200  # ~20 s of training: the signal lands after step 20, the resumed run finishes the rest
+    steps = 100  # ~10 s of training: the signal lands after step 20, the resumed run finishes the rest
     args = _pretrain_args(tmp_path, char_data, mlflow_server, "preempt", f"train.max_steps={steps}",
                           "checkpoint.interval=100000", "train.log_interval=50")
     job = cluster.sbatch(["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out",
@@ -113,7 +113,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     # relaunch within that second is refused ("Job credential revoked").
     wait_for(lambda: (lambda j: j.get("Restarts") == "1" and j.get("JobState") == "PENDING")(cluster.job(job)),
              timeout=180)
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+5"])
+    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"])
     cluster.wait_done([job], timeout=400)
 
     out = (tmp_path / f"{job}.out").read_text()

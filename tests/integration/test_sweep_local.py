@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megaroute.cli import main
+
 from .conftest import REPO, read_metrics, wait_for
 
 pytestmark = pytest.mark.slow
@@ -54,6 +56,15 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def _run_here(capsys, monkeypatch, spec: str, runs: Path, char_data: str, *args: str) -> tuple[int, str]:
+    """The same command through the CLI's entry point in this process (no interpreter start-up and
+    imports) -> (exit code, stdout)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # as _start: the runner sets it per point
+    capsys.readouterr()
+    rc = main(["sweep", "run", spec, "--local", *args, f"runs_dir={runs}", f"data.output_dir={char_data}"])
+    return rc, capsys.readouterr().out
+
+
 def _runs(runs: Path, experiment: str, role: str | None = None) -> list:
     """The experiment's runs with that sweep_role (None: point runs, which have none)."""
     from mlflow.tracking import MlflowClient
@@ -69,7 +80,7 @@ def _table(out: str) -> str:
     return (Path(folder) / "isoflop_table.md").read_text()
 
 
-def test_local_sweep_stops_resumes_and_skips_finished_points(tmp_path, char_data):
+def test_local_sweep_stops_resumes_and_skips_finished_points(tmp_path, char_data, capsys, monkeypatch):
     spec = _spec(tmp_path, "loc", "4.0e10", [D32, D64], ["dense: {config: CONFIGS/tiny.yaml}"])
     runs = tmp_path / "runs"
     long_point = runs / "loc-dense-d32-C4e10-s0"   # 289 steps; d64 trains 99
@@ -111,7 +122,8 @@ def test_local_sweep_stops_resumes_and_skips_finished_points(tmp_path, char_data
     assert analysis.data.tags["mlflow.parentRunId"] == parent.info.run_id
 
     # 3. Nothing left to run: no training process starts, no point run is added; a new analysis is made.
-    rc, out = _finish(_start(spec, runs, char_data, "--parallel", "2"))
+    # In this process (last: a runner holds the sweep's lock file until its process exits).
+    rc, out = _run_here(capsys, monkeypatch, spec, runs, char_data, "--parallel", "2")
     assert rc == 0, out
     assert "2 points, 2 already FINISHED, 0 to run" in out and out.count("skipped (FINISHED in MLflow)") == 2, out
     assert len(list((long_point / "logs").glob("local-*.log"))) == 2
@@ -122,8 +134,6 @@ def test_local_sweep_stops_resumes_and_skips_finished_points(tmp_path, char_data
 
 
 def test_failing_point_is_reported_and_the_others_run(tmp_path, char_data, capsys):
-    from megaroute.cli import main
-
     # "broken" fails in the training process (exit 2: no such checkpoint to resume), not in the plan.
     broken = "broken: {config: CONFIGS/tiny.yaml, overrides: [checkpoint.resume=step_7]}"
     spec = _spec(tmp_path, "bad", "2.0e10", [D64], [broken, "dense: {config: CONFIGS/tiny.yaml}"])

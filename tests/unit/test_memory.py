@@ -14,8 +14,10 @@ import pytest
 
 from megaroute.config import ConfigError, load_config
 from megaroute.config.schema import parse_size
-from megaroute.memory import (MemoryFitError, estimate_for_config, largest_micro_batch, micro_batch_choices,
-                              preflight)
+from megaroute.memory import (MemoryFitError, analytic_param_counts, config_params, estimate_for_config,
+                              largest_micro_batch, micro_batch_choices, param_counts, preflight)
+from megaroute.model import build_model
+from megaroute.model.routing import METHODS, DenseLayer, MethodSpec, register_method, unregister_method
 from megaroute.parallel import ParallelLayout
 from megaroute.train.env import DistEnv
 from megaroute.train.run import check_memory
@@ -23,6 +25,46 @@ from megaroute.train.run import check_memory
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 GIB = 2**30
+
+
+# Every built-in method, plus the variants that change a routed layer's parameters.
+PARAM_CASES = [[f"routing.method={m}"] for m in METHODS if m != "mode_integrated"] + [
+    ["routing.method=mode_integrated", "routing.moe.router=expert_choice"],
+    ["routing.method=mod", "routing.causal_method=predictor", "routing.predictor_hidden=24"],
+    ["routing.method=depth_gate", "routing.depth_gate.gate=jepa", "routing.depth_gate.latent_dim=6"],
+    ["routing.method=depth_gate", "routing.depth_gate.cheap=narrow", "routing.depth_gate.gate_hidden=20"],
+    ["routing.method=halting", "routing.halting.hidden=12"],
+    ["routing.method=moe", "routing.moe.shared_experts=2", "routing.moe.expert_hidden=16", "routing.moe.num_experts=3"],
+    ["routing.method=mode_staged", "routing.moe.shared_experts=1", "routing.causal_method=predictor"],
+    ["routing.method=mode_integrated", "routing.moe.router=expert_choice", "routing.moe.shared_experts=1",
+     "routing.moe.expert_hidden=40"],
+]
+
+
+@pytest.mark.parametrize("overrides", PARAM_CASES, ids=lambda o: ",".join(x.split("=")[1] for x in o))
+def test_analytic_param_counts_equal_the_built_model(make_config, overrides):
+    """The pre-flight counts parameters from the config (no model built): equal to the built model's
+    param_counts and largest tensor, for every routing method, tied and untied, at TP 1 and 2."""
+    assert set(METHODS) >= {"moe", "mode_staged", "mode_integrated", "depth_gate", "halting", "early_exit"}
+    for tied in ("true", "false"):
+        cfg = make_config(*overrides, f"model.tie_embeddings={tied}", "model.d_model=24", "model.n_heads=2",
+                          "model.n_layers=3", "routing.offset=0")
+        model = build_model(cfg.model, cfg.routing)
+        for tp in (1, 2):
+            expected = {**param_counts(model, tp), "largest_tensor": max(p.numel() for p in model.parameters())}
+            assert analytic_param_counts(cfg.model, cfg.routing, tp) == expected, (overrides, tied, tp)
+
+
+def test_a_method_registered_elsewhere_is_counted_on_a_meta_build(make_config):
+    register_method(MethodSpec(name="plain_test_method", layer=lambda block, m, r: DenseLayer(block)))
+    try:
+        cfg = make_config("routing.method=plain_test_method")
+        assert analytic_param_counts(cfg.model, cfg.routing) is None
+        model = build_model(cfg.model, cfg.routing)
+        expected = {**param_counts(model, 2), "largest_tensor": max(p.numel() for p in model.parameters())}
+        assert config_params(cfg, 2) == expected
+    finally:
+        unregister_method("plain_test_method")
 
 
 @pytest.mark.parametrize("text,expected", [("32GiB", 32 * GIB), ("2.5GB", 2_500_000_000), ("512 MiB", 512 * 2**20),
