@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -47,8 +46,8 @@ from ..hf.synthetic import write_checkpoint
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
 from ..model.routing.calibration import QuantileCut
+from .launch import REPO, last_records, run_launcher
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHAR_DATA = os.path.join(REPO, "configs/data/tinyshakespeare_char.yaml")   # how the corpus is prepared
 SHAPES = {  # name: (dense config, MoD config, default training steps)
     "char": ("configs/experiments/char_dense.yaml", "configs/experiments/char_mod.yaml", 200),
@@ -101,15 +100,6 @@ def launcher_overrides(label: str, args, workdir: str, data_dir: str, seq_len: i
             "tracking.enabled=false"]
 
 
-def _last_records(run_dir: str) -> dict[str, dict]:
-    last = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            last[record["kind"]] = record
-    return last
-
-
 def make_run(label: str, config: str, args, workdir: str, data_dir: str, tokenizer_hash: str
              ) -> tuple[str, int, str]:
     """Trains (launcher) or builds (--steps 0) one model, calibrated; returns (run dir, parameters, summary)."""
@@ -122,16 +112,10 @@ def make_run(label: str, config: str, args, workdir: str, data_dir: str, tokeniz
     calibrated = (f"causal thresholds calibrated on {CALIBRATION_BATCHES}x{args.batch} windows of real text; "
                   if has_cut else "")
     if args.steps:
-        log = os.path.join(workdir, f"{cfg.name}.log")
-        cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config", config,
-               *launcher_overrides(label, args, workdir, data_dir, seq_len)]
         t0 = time.perf_counter()
-        with open(log, "w") as f:
-            rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.threads)})
-        if rc:
-            raise SystemExit(f"training {label} ({config}) failed (exit {rc}); see {log}")
-        last = _last_records(run)
+        run_launcher(config, launcher_overrides(label, args, workdir, data_dir, seq_len),
+                     os.path.join(workdir, f"{cfg.name}.log"), args.threads, f"training {label} ({config})")
+        last = last_records(run)
         summary = (f"trained {args.steps} steps through the launcher (batch {args.batch}x{seq_len}) in "
                    f"{time.perf_counter() - t0:.0f} s, train loss at the last step {last['train']['train/loss']:.3f}; "
                    f"{calibrated}causal val loss (eval/loss, {CALIBRATION_BATCHES} batches) "

@@ -31,10 +31,8 @@ train.max_steps (400) and seeds 0 1 2 (27 runs); `--jobs N` trains N runs at onc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +48,8 @@ from ..kernels import reference
 from ..model import build_model
 from ..model.routing import RoutingContext
 from ..model.routing.moe import MoEFFN, active_params
+from .launch import REPO, last_records, run_launcher
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPARED = ["char_dense", "char_mod", "char_moe", "char_mode_staged", "char_mode_integrated"]
 HOLDS = {"flops": "matched training FLOPs", "active_params": "matched active parameters (and tokens)"}
 QUICK_DENSE_STEPS = 60
@@ -128,37 +126,21 @@ def launcher_overrides(job: Job, runs_dir: str) -> list[str]:
             f"optim.warmup_steps={max(1, round(WARMUP_FRACTION * job.steps))}", "tracking.enabled=false"]
 
 
-def _records(run_dir: str) -> dict[str, dict]:
-    """The last "train" and "eval" records of a run's metrics.jsonl."""
-    last = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            last[record["kind"]] = record
-    return last
-
-
 def train(job: Job, runs_dir: str, threads: int, reuse: bool) -> dict:
     """Trains one job through the launcher (or keeps its finished run with --reuse) -> {"train": .., "eval": ..,
     "reused": bool}."""
     run_dir = os.path.join(runs_dir, job.run_name)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if reuse and os.path.exists(metrics):
-        last = _records(run_dir)
+        last = last_records(run_dir)
         if last.get("eval", {}).get("step") == job.steps:
             return {**last, "reused": True}
     if os.path.exists(metrics):
         os.remove(metrics)  # a fresh run appends to it
     os.makedirs(runs_dir, exist_ok=True)
-    cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config",
-           os.path.join(REPO, "configs/experiments", f"{job.config}.yaml"), *launcher_overrides(job, runs_dir)]
-    log = os.path.join(runs_dir, f"{job.run_name}.log")
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
-    if rc != 0:
-        raise SystemExit(f"{job.run_name} failed (exit {rc}); see {log}")
-    return {**_records(run_dir), "reused": False}
+    run_launcher(os.path.join(REPO, "configs/experiments", f"{job.config}.yaml"), launcher_overrides(job, runs_dir),
+                 os.path.join(runs_dir, f"{job.run_name}.log"), threads, job.run_name)
+    return {**last_records(run_dir), "reused": False}
 
 
 def compare(dense_steps: int, seeds: list[int], runs_dir: str, threads: int = 1, jobs: int = 1,

@@ -30,11 +30,8 @@ One table per part, printed and written as markdown to <runs-dir>/routing_tables
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -49,8 +46,8 @@ from ..model import ForwardOptions
 from ..model.routing import method_spec
 from ..model.routing.context import eval_modes
 from ..train.loop import Evaluator
+from .launch import REPO, last_records, run_launcher
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The halting sweep: soft training forward over (init_bias, penalty lambda), then the hard training
 # forward with a skip target on every block, every second or every third one. Every point is a shipped config.
 HALTING = ["char_halting_l0", "char_halting_l0002", "char_halting_l005", "char_halting_b0_l0", "char_halting_b4_l0005",
@@ -94,9 +91,7 @@ def steps_for(cfg: Config, steps_scale: float) -> int:
 
 
 def last_eval(run_dir: str) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [r for r in records if r["kind"] == "eval"][-1]
+    return last_records(run_dir)["eval"]
 
 
 def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: int = 1) -> Run:
@@ -117,15 +112,9 @@ def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: in
         overrides.append(f"checkpoint.init_from={os.path.join(runs_dir, 'char_dense')}")
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run appends to it
-    cmd = [sys.executable, os.path.join(REPO, "launcher/pretrain.py"), "--config",
-           os.path.join(REPO, "configs/experiments", f"{name}.yaml"), *overrides]
     start = time.perf_counter()
-    log = os.path.join(runs_dir, f"{name}.log")
-    with open(log, "w") as f:
-        rc = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
-    if rc != 0:
-        raise SystemExit(f"{name} failed (exit {rc}); see {log}")
+    run_launcher(os.path.join(REPO, "configs/experiments", f"{name}.yaml"), overrides,
+                 os.path.join(runs_dir, f"{name}.log"), threads, name)
     seconds = time.perf_counter() - start
     with open(seconds_file, "w") as f:
         f.write(f"{seconds:.1f}\n")

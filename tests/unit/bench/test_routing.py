@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megaroute.bench import routing
+from megaroute.bench import launch, routing
 
 
 def _record(step=400, **metrics):
@@ -115,7 +115,7 @@ def test_main_writes_baseline_and_gate_tables_from_finished_runs(tmp_path, capsy
 def test_reuse_needs_the_same_steps(tmp_path, monkeypatch):
     _write_run(str(tmp_path), "char_mod", 99, **{"eval/loss": 2.1})
     launched = []
-    monkeypatch.setattr(routing.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 1)
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, **kw: launched.append(cmd) or 1)
     with pytest.raises(SystemExit, match="char_mod failed"):
         routing.train("char_mod", str(tmp_path), 0.25, reuse=True)  # 100 steps wanted, 99 there
     assert "train.max_steps=100" in launched[0]
