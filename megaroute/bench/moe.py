@@ -42,7 +42,9 @@ import torch
 
 from .. import metric_names as names
 from ..config import Config, load_config
+from ..data import INDEX_FILE
 from ..data.loader import PackedDataset, SequenceLoader
+from ..data.prepare import prepare
 from ..flops import estimate_flops, flops_per_token
 from ..kernels import reference
 from ..model import build_model
@@ -146,7 +148,12 @@ def train(job: Job, runs_dir: str, threads: int, reuse: bool) -> dict:
 def compare(dense_steps: int, seeds: list[int], runs_dir: str, threads: int = 1, jobs: int = 1,
             reuse: bool = False) -> dict[str, list[dict]]:
     """hold -> one row per config: its steps, sizes and the per-seed records of its runs."""
-    configs = [sizes(_config(n)) for n in COMPARED]
+    cfgs = [_config(n) for n in COMPARED]
+    # Parallel launchers would race to prepare missing data (the second refuses): prepare it once here.
+    for data in {c.data.output_dir: c.data for c in cfgs}.values():
+        if not os.path.isfile(os.path.join(data.output_dir, INDEX_FILE)):
+            prepare(data)
+    configs = [sizes(c) for c in cfgs]
     steps = {hold: plan_steps(configs, dense_steps, hold) for hold in HOLDS}
     todo = list(dict.fromkeys(Job(c.name, steps[hold][c.name], s) for hold in HOLDS for c in configs for s in seeds))
     print(f"{len(todo)} runs: " + ", ".join(j.run_name for j in todo), flush=True)
