@@ -8,6 +8,9 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 # torch first and pinned: an unpinned torch drags in gigabytes of CUDA wheels.
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), whole files per worker so a module's shared training runs happen once.
+# Most tests run one thread (tests/conftest.py), so 2 workers use both cores of the CI machine.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test gpu-check system-deps clean
 
@@ -32,7 +35,7 @@ demo: install
 	$(PY) -m megaroute.demo
 
 test: install system-deps
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # The CUDA smoke suite (tests/cuda + the CUDA tests elsewhere) and the GPU benchmarks, on one GPU.
 # Fails, rather than passing with every test skipped, when torch sees no CUDA device: on a GPU
