@@ -5,7 +5,9 @@ merging tensor-parallel shards, the inverse of megaroute.parallel.layers.shard_d
     ColumnParallelLinear  weight/bias split by output rows; fused q|k|v and gate|up split block by block
     RowParallelLinear     weight split by input columns; bias replicated
     VocabParallelEmbedding, LM head   split by vocabulary rows
-Everything else (norms, routers, gates) is replicated: rank 0's copy is used.
+Everything else (norms, routers, gates) is replicated: rank 0's copy is used. So are the TP layers a
+TP model builds without its group (MoE shared experts, depth_gate's narrow cheap FFN): replicated over
+the TP group, every rank's copy has the full shape, which tells them from a shard.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class StateDictAdapter:
     def merge(self, key: str, shards: list[torch.Tensor], source: str = "") -> torch.Tensor:
         """TP shards of one tensor -> the full tensor, checked against the model's shape."""
         where = f" ({source})" if source else ""
-        if key in self.split and len(shards) > 1:
+        # A shard of a split tensor is smaller than the full one; full-size copies are replicas.
+        if key in self.split and len(shards) > 1 and any(tuple(s.shape) != self.shapes[key] for s in shards):
             dim, chunks = self.split[key]
             try:
                 full = merge_tp(shards, dim, chunks)

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from megaroute.data.tokenizers import CharTokenizer, train_sentencepiece
+from megaroute.hf.adapter import StateDictAdapter
 from megaroute.hf.convert import convert
 from megaroute.hf.reader import ConversionError
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
 from megaroute.model.routing.calibration import QuantileCut, calibrate_thresholds
+from megaroute.parallel.layers import shard_dim
 
 from ...lm_eval_tasks import multiple_choice_task
 
@@ -182,6 +184,24 @@ def test_moe_and_mode_export_calibrated_thresholds_logits_and_cached_generation(
     cached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=True)
     uncached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=False)
     assert cached.shape == (1, 22) and cached.tolist() == uncached.tolist()
+
+
+def test_tp_merge_joins_shards_and_keeps_one_copy_of_replicated_tp_layers(make_config):
+    """Under TP the MoE shared expert is a SwiGLU built without the TP group: each rank's file holds a full
+    copy (taken once), while attention's fused q|k|v is split per block (joined). The TP=2 x EP=2 DeepSpeed
+    export: tests/integration/test_expert_parallel.py."""
+    cfg = make_config("routing.method=moe", "routing.moe.shared_experts=1", "routing.moe.num_experts=4",
+                      "routing.moe.expert_hidden=16")
+    adapter = StateDictAdapter(cfg.model, cfg.routing)
+    shared = next(k for k in adapter.keys() if k.endswith("block.mlp.gate_up.weight"))
+    qkv = next(k for k in adapter.keys() if k.endswith("attn.qkv.weight"))
+    for key in (shared, qkv):
+        full = torch.randn(adapter.shapes[key])
+        assert torch.equal(adapter.merge(key, [full, full.clone()]), full), key  # replicas
+        dim, chunks = adapter.split[key]
+        assert torch.equal(adapter.merge(key, [shard_dim(full, dim, r, 2, chunks) for r in range(2)]), full), key
+    with pytest.raises(ValueError, match="TP shards do not fit together"):
+        adapter.merge(qkv, [torch.zeros(adapter.shapes[qkv]), torch.zeros(3, 3)])
 
 
 def test_output_files_and_tokenizer(make_run, tmp_path, char_tok):
