@@ -18,6 +18,9 @@ has none, so we use the same per-parameter byte accounting (DeepSpeed's comment 
 partitioned over the data-parallel ranks by stage: 1 the fp32 states, 2 also the gradients,
 3 also the weights. Tensor parallelism shards parameters first (Megatron layout: embedding,
 attention and MLP matrices split over TP ranks; norms, routers and predictors replicated).
+Expert parallelism (parallel.ep, MoE/MoDE; model/routing/moe.py) keeps E/ep of each MoE layer's routed
+experts on a rank (replicated over TP), and ZeRO partitions those over the expert-data-parallel group
+(dp / ep ranks), everything else over dp; ZeRO-3 is refused with it, so the fit advice stops at ZeRO-2.
 What DeepSpeed holds beyond that accounting (fp32 master and gradient partition copies, reduce
 buckets, ZeRO-3's gathered parameters, CPU comm workspaces) is `deepspeed_buffer_bytes`.
 
@@ -79,13 +82,24 @@ def zero_model_state_bytes(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     largest_layer_params: int = 0,
+    expert_params: int = 0,
+    ep: int = 1,
 ) -> tuple[int, str]:
     """GPU bytes of weights + grads + optimizer states for `params` parameters on one GPU.
 
+    expert_params: how many of `params` are this rank's routed experts (already E/ep of them): ZeRO
+    partitions those over the expert-data-parallel group (dp / ep ranks), the rest over dp.
     Returns (bytes, source) where source names the estimator used.
     """
     if zero_stage not in (0, 1, 2, 3) or dp < 1:
         raise ValueError(f"need zero_stage in 0..3 and dp >= 1, got {zero_stage}, {dp}")
+    if expert_params and ep > 1:
+        _check_ep(dp, ep)
+        dense, source = zero_model_state_bytes(params - expert_params, zero_stage, dp, precision, offload_optimizer,
+                                               offload_params, largest_layer_params)
+        experts, _ = zero_model_state_bytes(expert_params, zero_stage, dp // ep, precision, offload_optimizer,
+                                            offload_params)
+        return dense + experts, source
     kind = _precision_kind(precision)
     if kind == "mixed" and zero_stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -110,6 +124,18 @@ def zero_model_state_bytes(
     replicated = weights + grads + states - partitioned
     gathered = 4 * largest_layer_params if zero_stage == 3 else 0  # ZeRO-3 all-gathers one layer at a time
     return replicated * params + int(partitioned * params / dp) + gathered, "megaroute (DeepSpeed byte accounting)"
+
+
+def _check_ep(dp: int, ep: int) -> None:
+    if ep < 1 or dp % ep:
+        raise ValueError(f"parallel.ep={ep} must be >= 1 and divide the data-parallel size dp={dp}")
+
+
+def _zero_partition(params: int, dp: int, expert_params: int = 0, ep: int = 1) -> int:
+    """One rank's ZeRO partition of its `params`: the routed experts' share over dp / ep ranks, the rest over dp."""
+    if ep == 1:
+        return params // dp
+    return (params - expert_params) // dp + expert_params // (dp // ep)
 
 
 def activation_bytes(
@@ -181,8 +207,16 @@ def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
     return list(out.values())
 
 
+def routed_expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' stacked weights: what expert parallelism splits (the layers with
+    `shard_experts`, as train/engine.py finds them; MoEFFN.shard_experts slices these two)."""
+    return [p for m in model.modules() if hasattr(m, "shard_experts") for p in (m.w_gate_up, m.w_down)]
+
+
 def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
-    """Total / non-embedding counts (tied weights once), per-TP-rank count, largest layer and largest tensor."""
+    """Total / non-embedding counts (tied weights once), per-TP-rank count, largest layer, and the routed
+    experts' count (`experts`: replicated over TP, split over EP; see per_rank_params). Of the full
+    model, before any expert parallelism."""
     sharded = sum(p.numel() for p in tp_sharded_params(model))
     total = model.num_params()
     # ZeRO-3 gathers one module's own parameters at a time: DeepSpeed's "largest layer".
@@ -192,7 +226,15 @@ def param_counts(model: nn.Module, tp: int = 1) -> dict[str, int]:
         "non_embedding": model.num_params(exclude_embedding=True),
         "per_tp_rank": total - sharded + -(-sharded // tp),
         "largest_layer": -(-largest // tp),
+        "experts": sum(p.numel() for p in routed_expert_params(model)),
     }
+
+
+def per_rank_params(counts: dict[str, int], ep: int = 1) -> int:
+    """Parameters one rank holds under TP and EP, from param_counts / analytic_param_counts: the TP
+    shard, with each MoE layer's routed experts split over the ep ranks of its EP group (E/ep each;
+    ep divides E, checked by the config)."""
+    return counts["per_tp_rank"] - counts["experts"] + counts["experts"] // ep
 
 
 def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str = "fp32", tp: int = 1,
@@ -235,7 +277,7 @@ def cpu_activation_bytes(model: ModelConfig, routing: RoutingConfig, seq_len: in
 
 
 def deepspeed_buffer_bytes(params: int, zero_stage: int, dp: int, precision: str, device: str,
-                           local_ranks: int = 1) -> tuple[int, str]:
+                           local_ranks: int = 1, expert_params: int = 0, ep: int = 1) -> tuple[int, str]:
     """What DeepSpeed holds beyond the 16/20-bytes-per-parameter accounting, for one rank -> (bytes, what).
 
     fp32 at ZeRO 1-3: the optimizer's fp32 master partition is a clone of the (already fp32) weights,
@@ -246,13 +288,14 @@ def deepspeed_buffer_bytes(params: int, zero_stage: int, dp: int, precision: str
     the pages it touches (at most the parameters) are resident. ZeRO-3 releases gathered parameters
     only past stage3_max_live_parameters (MAX_LIVE_PARAMETERS), so a smaller model ends up whole.
     CPU ranks (more than one per machine) map every local rank's all-reduce workspace of DeepSpeed's
-    shared-memory comm op (CPU_COMM_WORKSPACE_BYTES each), resident once a large all-reduce fills it."""
+    shared-memory comm op (CPU_COMM_WORKSPACE_BYTES each), resident once a large all-reduce fills it.
+    Expert parallelism: the `expert_params` of `params` are partitioned over dp / ep ranks."""
     parts, total = [], 0
     if device == "cpu" and local_ranks > 1:
         total += local_ranks * CPU_COMM_WORKSPACE_BYTES
         parts.append(f"CPU comm workspaces x {local_ranks}")
     if precision == "fp32" and zero_stage >= 1:
-        total += 8 * params // dp
+        total += 8 * _zero_partition(params, dp, expert_params, ep)
         parts.append("fp32 master + grad partition copies")
     if zero_stage >= 1:
         per = 4 if precision == "fp32" or zero_stage == 1 else 2
@@ -266,7 +309,8 @@ def deepspeed_buffer_bytes(params: int, zero_stage: int, dp: int, precision: str
 
 
 def step_temporary_bytes(params: int, largest_tensor: int, zero_stage: int, dp: int, device: str,
-                         offload_optimizer: bool = False, fused: bool = True) -> int:
+                         offload_optimizer: bool = False, fused: bool = True, expert_params: int = 0,
+                         ep: int = 1) -> int:
     """AdamW's temporaries in the optimizer step. GuardedAdamW runs torch's fused AdamW on CPU and
     CUDA tensors (train/optim.py): an in-place kernel, no tensor-sized temporaries. Unfused, the
     denominator sqrt(v)/c + eps is built out of place: two fp32 tensors of the stepped size, one
@@ -275,7 +319,7 @@ def step_temporary_bytes(params: int, largest_tensor: int, zero_stage: int, dp: 
     CUDA. Offloaded: DeepSpeed's CPU Adam, on the host."""
     if offload_optimizer or fused:
         return 0
-    stepped = params // dp if zero_stage >= 1 else params
+    stepped = _zero_partition(params, dp, expert_params, ep) if zero_stage >= 1 else params
     if device == "cuda":
         return 4 * stepped
     return 2 * 4 * (stepped if zero_stage >= 1 else largest_tensor)
@@ -301,7 +345,7 @@ class MemoryEstimate:
     dp: int
     micro_batch: int
     precision: str
-    params_per_gpu: int  # parameters on one TP shard, before ZeRO partitioning
+    params_per_gpu: int  # parameters on one rank (its TP shard, its E/ep experts), before ZeRO partitioning
     model_states: int
     model_states_source: str
     activations: int
@@ -314,6 +358,8 @@ class MemoryEstimate:
     grad_probe: int = 0
     step_temporaries: int = 0
     evaluation: int = 0
+    ep: int = 1
+    expert_params_per_gpu: int = 0  # of params_per_gpu: this rank's routed experts (ZeRO over dp / ep)
 
     @property
     def phases(self) -> dict[str, int]:
@@ -330,9 +376,11 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         return {
-            "zero_stage": self.zero_stage, "tp": self.tp, "dp": self.dp, "micro_batch": self.micro_batch,
+            "zero_stage": self.zero_stage, "tp": self.tp, "dp": self.dp, "ep": self.ep,
+            "micro_batch": self.micro_batch,
             "precision": self.precision, "device": self.device,
             "activation_checkpointing": self.activation_checkpointing, "params_per_gpu": self.params_per_gpu,
+            "expert_params_per_gpu": self.expert_params_per_gpu,
             "framework_bytes": self.framework, "model_states_bytes": self.model_states,
             "model_states_source": self.model_states_source, "buffer_bytes": self.buffers,
             "buffers_source": self.buffers_source, "activation_bytes": self.activations,
@@ -361,19 +409,26 @@ def estimate_memory(
     largest_tensor_params: int = 0,
     framework: bool = True,
     local_ranks: int = 1,
+    ep: int = 1,
+    expert_params_per_gpu: int = 0,
 ) -> MemoryEstimate:
     """Per-device training memory (see MemoryEstimate). device: "cuda" (a GPU's memory, framework =
     CUDA_CONTEXT_BYTES) or "cpu" (a rank's resident memory, framework = CPU_FRAMEWORK_BYTES, plus
     CPU-only terms). framework=False leaves the framework term out (e.g. against CUDA free memory,
-    read after the context exists)."""
+    read after the context exists). Expert parallelism (ep > 1): params_per_gpu counts this rank's
+    E/ep routed experts of each MoE layer (per_rank_params), expert_params_per_gpu how many of them
+    are those experts, whose ZeRO partitions span the expert-data-parallel group (dp / ep ranks)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    _check_ep(dp, ep)
+    experts = {"expert_params": expert_params_per_gpu, "ep": ep}
     states, source = zero_model_state_bytes(params_per_gpu, zero_stage, dp, precision,
-                                            offload_optimizer, offload_params, largest_layer_params)
+                                            offload_optimizer, offload_params, largest_layer_params, **experts)
     acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing, device)
     if device == "cpu":  # fused norms on CUDA (apex) keep input and output only
         acts += cpu_activation_bytes(model, routing, seq_len, micro_batch, precision, activation_checkpointing)
-    buffers, buffers_source = deepspeed_buffer_bytes(params_per_gpu, zero_stage, dp, precision, device, local_ranks)
+    buffers, buffers_source = deepspeed_buffer_bytes(params_per_gpu, zero_stage, dp, precision, device, local_ranks,
+                                                     **experts)
     return MemoryEstimate(
         zero_stage=zero_stage, tp=tp, dp=dp, micro_batch=micro_batch, precision=precision,
         params_per_gpu=params_per_gpu, model_states=states, model_states_source=source, activations=acts,
@@ -383,8 +438,9 @@ def estimate_memory(
         backward=backward_bytes(model, seq_len, micro_batch, precision, tp, device),
         grad_probe=grad_probe_bytes(params_per_gpu, zero_stage),
         step_temporaries=step_temporary_bytes(params_per_gpu, largest_tensor_params or largest_layer_params,
-                                              zero_stage, dp, device, offload_optimizer),
+                                              zero_stage, dp, device, offload_optimizer, **experts),
         evaluation=eval_bytes(model, seq_len, micro_batch, precision, tp, device),
+        ep=ep, expert_params_per_gpu=expert_params_per_gpu,
     )
 
 
@@ -405,12 +461,18 @@ def _mod_router(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
     return [_linear(m.d_model, 1, bias=False), *(predictor if r.causal_method == "predictor" else [])]
 
 
-def _moe_ffn(m: ModelConfig, r: RoutingConfig, router_outputs: Optional[int] = None) -> list[_Module]:
-    """MoEFFN's stacked experts (replicated over TP) and router, plus the shared experts that replace
-    the block's dense FFN (a TP-split SwiGLU, or nothing)."""
+def _moe_experts(m: ModelConfig, r: RoutingConfig) -> _Module:
+    """MoEFFN's stacked routed experts [E, d, 2h] and [E, h, d]: replicated over TP, split over EP."""
     d, h, E = m.d_model, expert_hidden(m, r.moe), r.moe.num_experts
+    return (E * d * 2 * h, E * h * d), False
+
+
+def _moe_ffn(m: ModelConfig, r: RoutingConfig, router_outputs: Optional[int] = None) -> list[_Module]:
+    """MoEFFN's stacked experts and router, plus the shared experts that replace the block's dense FFN
+    (a TP-split SwiGLU, or nothing)."""
+    d, h = m.d_model, expert_hidden(m, r.moe)
     shared = _swiglu(d, r.moe.shared_experts * h, True) if r.moe.shared_experts else []
-    return [((E * d * 2 * h, E * h * d), False), _linear(d, router_outputs or E, bias=False), *shared]
+    return [_moe_experts(m, r), _linear(d, router_outputs or r.moe.num_experts, bias=False), *shared]
 
 
 def _depth_gate(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
@@ -428,6 +490,7 @@ def _depth_gate(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
 # The built-in methods' routed layers: (the modules a routed layer adds beside its block, whether they
 # replace the block's dense FFN). Mirrors the layers' constructors; test_memory.py checks every method
 # against built models. Methods registered elsewhere are counted on a meta-device build instead.
+# _EXPERT_METHODS: those whose routed layers hold routed experts (_moe_experts), split by EP.
 _ROUTED_PARAMS = {
     DENSE: (lambda m, r: [], False),  # no block is routed
     MOD: (_mod_router, False),
@@ -442,6 +505,7 @@ _ROUTED_PARAMS = {
     MODE_STAGED: (lambda m, r: _mod_router(m, r) + _moe_ffn(m, r), True),
     MODE_INTEGRATED: (lambda m, r: _moe_ffn(m, r, r.moe.num_experts + 1), True),
 }
+_EXPERT_METHODS = (MOE, MODE_STAGED, MODE_INTEGRATED)
 
 
 def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 1) -> Optional[dict[str, int]]:
@@ -452,11 +516,13 @@ def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 
         return None
     d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
     modules: list[_Module] = [((V * d,), True), ((d,), False)]  # embedding, final norm
+    experts = 0
     for i in range(model.n_layers):
         extra, replaces_ffn = [], False
         if routing.is_routed(i):
             layer_params, replaces_ffn = _ROUTED_PARAMS[spec]
             extra = layer_params(model, routing)
+            experts += sum(_moe_experts(model, routing)[0]) if spec in _EXPERT_METHODS else 0
         modules += [((d,), False), ((d,), False), ((3 * d * d,), True), ((d * d,), True), *extra]
         modules += [] if replaces_ffn else _swiglu(d, f, True)
     total = sum(sum(sizes) for sizes, _ in modules)
@@ -470,6 +536,7 @@ def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 
         "non_embedding": total - V * d * (1 if model.tie_embeddings else 2),
         "per_tp_rank": total - sharded + -(-sharded // tp),
         "largest_layer": -(-largest // tp),
+        "experts": experts,
         "largest_tensor": max(n for sizes, _ in modules for n in sizes),
     }
 
@@ -493,13 +560,19 @@ def estimate_for_config(cfg: Config, *, tp: Optional[int] = None, dp: int = 1, d
                         micro_batch: Optional[int] = None, zero_stage: Optional[int] = None,
                         activation_checkpointing: Optional[bool] = None, offload_optimizer: Optional[bool] = None,
                         offload_params: Optional[bool] = None, framework: bool = True,
-                        params: Optional[dict] = None, local_ranks: int = 1) -> MemoryEstimate:
+                        params: Optional[dict] = None, local_ranks: int = 1,
+                        ep: Optional[int] = None) -> MemoryEstimate:
     """estimate_memory for a config, with any of its layout settings replaced. local_ranks: ranks
-    on one machine (CPU: they share its RAM and map each other's comm workspaces)."""
+    on one machine (CPU: they share its RAM and map each other's comm workspaces). ep (default
+    parallel.ep): each rank holds E/ep of every MoE layer's routed experts. largest_layer and
+    largest_tensor stay the full model's (an upper bound under EP: they matter at ZeRO-3, which EP
+    refuses, and for unfused AdamW)."""
     tp = tp or cfg.parallel.tp
+    ep = ep or cfg.parallel.ep
     params = params or config_params(cfg, tp)
     return estimate_memory(
-        cfg.model, cfg.routing, params_per_gpu=params["per_tp_rank"], largest_layer_params=params["largest_layer"],
+        cfg.model, cfg.routing, params_per_gpu=per_rank_params(params, ep),
+        expert_params_per_gpu=params["experts"] // ep, ep=ep, largest_layer_params=params["largest_layer"],
         largest_tensor_params=params["largest_tensor"], seq_len=cfg.data.seq_len,
         micro_batch=cfg.train.micro_batch_size if micro_batch is None else micro_batch,
         zero_stage=cfg.optim.zero_stage if zero_stage is None else zero_stage, tp=tp, dp=dp,
@@ -552,29 +625,37 @@ class FitRow:
 
 
 def fit_rows(cfg: Config, budget: int, *, dp: int, tp: Optional[int] = None, device: str = "cuda",
-             framework: bool = True, combos=None, ranks_here: int = 1) -> list[FitRow]:
+             framework: bool = True, combos=None, ranks_here: int = 1, ep: Optional[int] = None) -> list[FitRow]:
     """For each (zero_stage, activation_checkpointing, offload_optimizer, offload_params) in `combos`
-    (default: ZeRO 0-3 x checkpointing off/on, the config's offload where the stage allows it):
-    the largest micro-batch whose estimate fits `budget` bytes, and the accumulation steps it gives
-    for train.global_batch_size over `dp` ranks."""
+    (default: ZeRO 0-3 x checkpointing off/on, the config's offload where the stage allows it; ZeRO
+    0-2 under expert parallelism, which refuses ZeRO-3): the largest micro-batch whose estimate fits
+    `budget` bytes, and the accumulation steps it gives for train.global_batch_size over `dp` ranks.
+    ep: default parallel.ep."""
     tp = tp or cfg.parallel.tp
+    ep = ep or cfg.parallel.ep
+    _check_ep(dp, ep)
     params = config_params(cfg, tp)
     choices = micro_batch_choices(cfg.train.global_batch_size, dp)
     if combos is None:
         o = cfg.optim
         combos = [(z, ckpt, o.offload_optimizer and z >= 1, o.offload_params and z == 3)
-                  for z in range(4) for ckpt in (False, True)]
+                  for z in range(_max_zero_stage(ep) + 1) for ckpt in (False, True)]
     rows = []
     for z, ckpt, off_opt, off_par in combos:
         def estimate(mb, z=z, ckpt=ckpt, off_opt=off_opt, off_par=off_par):
             return estimate_for_config(cfg, tp=tp, dp=dp, device=device, micro_batch=mb, zero_stage=z,
                                        activation_checkpointing=ckpt, offload_optimizer=off_opt,
                                        offload_params=off_par, framework=framework, params=params,
-                                       local_ranks=ranks_here)
+                                       local_ranks=ranks_here, ep=ep)
         mb, est = largest_micro_batch(budget, estimate, choices)
         rows.append(FitRow(z, ckpt, off_opt, off_par, mb, cfg.train.global_batch_size // (mb * dp) if mb else 0,
                            est.total if est else estimate(1).total))
     return rows
+
+
+def _max_zero_stage(ep: int) -> int:
+    """DeepSpeed's MoE does not support ZeRO-3: expert parallelism stops at ZeRO-2 (moe.py's config check)."""
+    return 2 if ep > 1 else 3
 
 
 def format_fit_table(cfg: Config, rows: list[FitRow], budget: int, what: str, dp: int) -> str:
@@ -620,7 +701,8 @@ def available_memory(cfg: Config, device: str, local_rank: int = 0, ranks_here: 
 
 
 def _describe(est: MemoryEstimate, seq_len: int) -> str:
-    layout = (f"{est.device}, ZeRO-{est.zero_stage}, DP {est.dp}, TP {est.tp}, micro-batch {est.micro_batch} x "
+    ep = f", EP {est.ep}" if est.ep > 1 else ""
+    layout = (f"{est.device}, ZeRO-{est.zero_stage}, DP {est.dp}, TP {est.tp}{ep}, micro-batch {est.micro_batch} x "
               f"{seq_len}, {est.precision}, activation checkpointing {'on' if est.activation_checkpointing else 'off'}")
     parts = [("framework", est.framework), ("model states", est.model_states), ("DeepSpeed buffers", est.buffers)]
     parts.append((est.peak_phase, est.phases[est.peak_phase]))
@@ -628,26 +710,28 @@ def _describe(est: MemoryEstimate, seq_len: int) -> str:
 
 
 def preflight(cfg: Config, *, dp: int, tp: int, device: str, local_rank: int = 0,
-              ranks_here: int = 1) -> tuple[bool, str]:
+              ranks_here: int = 1, ep: Optional[int] = None) -> tuple[bool, str]:
     """The launcher's fit check -> (fits, message). The message names the estimate and its terms, the
     memory it was compared with, and when it does not fit, the settings that would (largest
-    micro-batch as is, with activation checkpointing, at higher ZeRO stages, with offload on CUDA)."""
+    micro-batch as is, with activation checkpointing, at higher ZeRO stages, with offload on CUDA).
+    ep: the expert-parallel degree (the layout's; default parallel.ep)."""
+    ep = ep or cfg.parallel.ep
     kind = "cuda" if device.startswith("cuda") else "cpu"
     budget, source, context_outside = available_memory(cfg, device, local_rank, ranks_here)
     framework = not context_outside
-    est = estimate_for_config(cfg, tp=tp, dp=dp, device=kind, framework=framework, local_ranks=ranks_here)
+    est = estimate_for_config(cfg, tp=tp, dp=dp, device=kind, framework=framework, local_ranks=ranks_here, ep=ep)
     if est.total <= budget:
         return True, f"memory pre-flight: estimate {_gib(est.total)} per rank fits {_gib(budget)} ({source})"
     o, ckpt = cfg.optim, cfg.parallel.activation_checkpointing
     combos = []
-    for z in range(o.zero_stage, 4):
+    for z in range(o.zero_stage, _max_zero_stage(ep) + 1):
         for c in sorted({ckpt, True}):
             offloads = {(o.offload_optimizer and z >= 1, o.offload_params and z == 3)}
             if kind == "cuda":  # offload moves states to host RAM: no help when the device is the host
                 offloads |= {(z >= 1, False), (z >= 1, z == 3)}
             combos += [(z, c, a, b) for a, b in sorted(offloads)]
     rows = [r for r in fit_rows(cfg, budget, dp=dp, tp=tp, device=kind, framework=framework, combos=combos,
-                                ranks_here=ranks_here) if r.micro_batch]
+                                ranks_here=ranks_here, ep=ep) if r.micro_batch]
     lines = [f"memory pre-flight: this config does not fit: estimated {_gib(est.total)} per rank "
              f"({_describe(est, cfg.data.seq_len)}) > {_gib(budget)} available ({source})."]
     if rows:
@@ -676,9 +760,13 @@ def preflight(cfg: Config, *, dp: int, tp: int, device: str, local_rank: int = 0
         lines.append("Settings that fit (estimate per rank):")
         lines += [f"  {' '.join(changes(r)) or 'as configured'}: {_gib(r.total)}" for r in rows[:6]]
     else:
-        lines.append(f"Nothing fits at DP {dp}, TP {tp}, even at micro-batch 1 with ZeRO-3 and activation "
-                     "checkpointing: use more devices (ZeRO partitions the model states over data-parallel "
-                     "ranks; parallel.tp splits the weights) or a smaller model.")
+        top = _max_zero_stage(ep)
+        moe = method_spec(cfg.routing.method) in _EXPERT_METHODS
+        experts = "; parallel.ep splits the routed experts" if moe else ""
+        lines.append(f"Nothing fits at DP {dp}, TP {tp}{f', EP {ep}' if ep > 1 else ''}, even at micro-batch 1 with "
+                     f"ZeRO-{top}{' (EP refuses ZeRO-3)' if top < 3 else ''} and activation checkpointing: use more "
+                     "devices (ZeRO partitions the model states over data-parallel ranks; parallel.tp splits the "
+                     f"weights{experts}) or a smaller model.")
     lines.append("(train.preflight=error stops here: set train.preflight=warn to start anyway, or "
                  "train.device_memory=<size> if the available memory was misread; see megaroute/memory.py)")
     return False, "\n".join(lines)

@@ -23,7 +23,14 @@ micro-batches. Mixture-of-Experts layers (moe, mode_staged, mode_integrated; mod
                                       micro-batch (a count: it scales with the micro-batch)
     routing/<layer>/moe_dropped_frac  token choice: the dropped share of the assignments the router chose
 
-Causal-mode (evaluation) load and drops, and MoDE's run/skip vs expert choice, are in `megaroute audit`.
+Each evaluation also logs the same layers' load in causal mode (what eval/loss runs: token choice
+takes every token's top-k and never drops, expert choice and MoDE decide by calibrated thresholds),
+mean over the evaluation batches and data-parallel ranks, under the `routing_causal` head:
+
+    routing_causal/<layer>/expert_<e>_load, routing_causal/<layer>/moe_load_max
+
+(no drop stats: causal mode drops nothing). Per-token detail, and MoDE's run/skip vs expert choice,
+are in `megaroute audit` (its "topk" and "causal" modes).
 """
 
 from __future__ import annotations
@@ -41,27 +48,38 @@ LOSS_LABEL = "eval/loss (autoregressive: causal routing, no future tokens)"
 
 # Per-step routing stats of a routed layer (see the module docstring).
 ROUTING = "routing"
+ROUTING_CAUSAL = "routing_causal"  # the same stats, from evaluation's causal-mode forwards
 EXPERT_LOAD_MAX = "moe_load_max"
 EXPERT_DROPPED = "moe_dropped"
 EXPERT_DROPPED_FRAC = "moe_dropped_frac"
 
 
-def routing_stat(layer: str, stat: str) -> str:
-    """routing/<layer>/<stat>, e.g. routing_stat("layer_1", EXPERT_DROPPED_FRAC)."""
-    return f"{ROUTING}/{layer}/{stat}"
+def routing_stat(layer: str, stat: str, head: str = ROUTING) -> str:
+    """<head>/<layer>/<stat>, e.g. routing_stat("layer_1", EXPERT_DROPPED_FRAC) (head: ROUTING or ROUTING_CAUSAL)."""
+    return f"{head}/{layer}/{stat}"
 
 
-def expert_load(layer: str, expert: int) -> str:
-    """routing/<layer>/expert_<e>_load: expert e's fraction of the layer's executed assignments."""
-    return routing_stat(layer, f"expert_{expert}_load")
+def expert_load(layer: str, expert: int, head: str = ROUTING) -> str:
+    """<head>/<layer>/expert_<e>_load: expert e's fraction of the layer's executed assignments."""
+    return routing_stat(layer, f"expert_{expert}_load", head)
 
 
-def expert_loads(metrics: dict[str, float]) -> dict[str, list[float]]:
+def _expert_index(stat: str) -> int | None:
+    """e of an expert_<e>_load stat name, else None."""
+    return int(stat[7:-5]) if stat.startswith("expert_") and stat.endswith("_load") and stat[7:-5].isdigit() else None
+
+
+def is_expert_stat(stat: str) -> bool:
+    """A layer stat that describes expert load: expert_<e>_load or moe_load_max."""
+    return stat == EXPERT_LOAD_MAX or _expert_index(stat) is not None
+
+
+def expert_loads(metrics: dict[str, float], head: str = ROUTING) -> dict[str, list[float]]:
     """Per layer, the expert_<e>_load values of a metrics dict (a step's metrics, an MLflow run's
-    latest metrics), in expert order: {"layer_1": [load_0, load_1, ...]}."""
+    latest metrics; head ROUTING_CAUSAL: an evaluation's), in expert order: {"layer_1": [load_0, ...]}."""
     found: dict[str, dict[int, float]] = {}
     for key, value in metrics.items():
-        head, layer, stat = (key.split("/") + ["", ""])[:3]
-        if head == ROUTING and stat.startswith("expert_") and stat.endswith("_load") and stat[7:-5].isdigit():
-            found.setdefault(layer, {})[int(stat[7:-5])] = value
+        h, layer, stat = (key.split("/") + ["", ""])[:3]
+        if h == head and _expert_index(stat) is not None:
+            found.setdefault(layer, {})[_expert_index(stat)] = value
     return {layer: [by_e[e] for e in sorted(by_e)] for layer, by_e in found.items()}

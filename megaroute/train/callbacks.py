@@ -68,7 +68,9 @@ class ProgressPrinter(Callback):
                        f"| mfu {100 * m['perf/mfu']:.2f}% | eta {_fmt_duration(m['perf/eta_s'])}", flush=True)
 
     def on_eval(self, trainer: Trainer, m: dict) -> None:
-        self.print(f"eval step {trainer.state.step}: " + " ".join(f"{k}={v:.4f}" for k, v in m.items()), flush=True)
+        # Per-expert causal loads (E + 1 per MoE layer) go to metrics.jsonl / MLflow, not the console line.
+        shown = {k: v for k, v in m.items() if not k.startswith(names.ROUTING_CAUSAL + "/")}
+        self.print(f"eval step {trainer.state.step}: " + " ".join(f"{k}={v:.4f}" for k, v in shown.items()), flush=True)
 
     def on_train_end(self, trainer: Trainer) -> None:
         self.print(f"training stopped at step {trainer.state.step}: {trainer.state.stop_reason} "

@@ -158,8 +158,10 @@ class Evaluator:
     The `honest_mode` (each token routed from its own past, at the compute the method spends) gives
     eval/loss, with eval/exec_frac (mean over routed layers, and eval/exec_frac/<layer>), eval/tlops_frac
     and eval/budget beside it. Every other mode logs val/loss<suffix> (val/loss_topk: training's
-    top-k, which sees future tokens) and its own fractions. Every call reads the same batches: each
-    data-parallel rank its own share of them, `batches` micro-batches per mode."""
+    top-k, which sees future tokens) and its own fractions. Mixture-of-Experts layers (moe, MoDE) also
+    log their causal-mode expert load, routing_causal/<layer>/expert_<e>_load and moe_load_max (no
+    drops: causal mode drops nothing). Every call reads the same batches: each data-parallel rank its
+    own share of them, `batches` micro-batches per mode; every value is a mean over them and the ranks."""
 
     def __init__(self, engine, val_set: PackedDataset, modes: dict[str, str], *, honest_mode: str,
                  budget: Optional[float], batches: int, micro_batch_size: int, dp_rank: int, dp_size: int,
@@ -201,6 +203,11 @@ class Evaluator:
                           **{f"exec_frac/{layer}": v for layer, v in result.executed.items()}}
                 if result.executed:
                     values["exec_frac"] = sum(result.executed.values()) / len(result.executed)
+                if mode == "causal":  # the expert load of what eval/loss runs, beside training's (top-k) one
+                    for key, value in result.routing_stats.items():
+                        layer, _, stat = key.partition("/")
+                        if names.is_expert_stat(stat):
+                            values[names.routing_stat(layer, stat, names.ROUTING_CAUSAL)] = value
                 for key, value in values.items():
                     if value is not None:
                         _accumulate(sums, key, value, 1 / self.batches, engine.device)
@@ -217,6 +224,8 @@ class Evaluator:
         return out
 
     def _name(self, key: str, suffix: str, mode: str) -> str:
+        if key.startswith(names.ROUTING_CAUSAL + "/"):  # named for its mode already
+            return key
         if mode == self.honest_mode:
             return f"eval/{key}"
         stem, _, layer = key.partition("/")

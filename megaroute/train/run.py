@@ -187,7 +187,7 @@ def check_memory(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
     if cfg.train.preflight == "off":
         return
     fits, message = memory_preflight(cfg, dp=layout.dp, tp=layout.tp, device=env.device, local_rank=env.local_rank,
-                              ranks_here=local_ranks())
+                              ranks_here=local_ranks(), ep=layout.ep)
     if fits:
         return
     if cfg.train.preflight == "warn":

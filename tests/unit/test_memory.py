@@ -4,6 +4,7 @@ measured peaks by `python -m megaroute.bench.memory`)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import subprocess
@@ -14,8 +15,9 @@ import pytest
 
 from megaroute.config import ConfigError, load_config
 from megaroute.config.schema import parse_size
-from megaroute.memory import (MemoryFitError, analytic_param_counts, config_params, estimate_for_config,
-                              largest_micro_batch, micro_batch_choices, param_counts, preflight)
+from megaroute.memory import (STATE_BYTES, MemoryFitError, analytic_param_counts, config_params, estimate_for_config,
+                              fit_rows, largest_micro_batch, micro_batch_choices, param_counts, per_rank_params,
+                              preflight)
 from megaroute.model import build_model
 from megaroute.model.routing import METHODS, DenseLayer, MethodSpec, register_method, unregister_method
 from megaroute.parallel import ParallelLayout
@@ -65,6 +67,53 @@ def test_a_method_registered_elsewhere_is_counted_on_a_meta_build(make_config):
         assert config_params(cfg, 2) == expected
     finally:
         unregister_method("plain_test_method")
+
+
+EXPERT_CASES = [["routing.method=moe", "routing.moe.shared_experts=1"],
+                ["routing.method=mode_staged"],
+                ["routing.method=mode_integrated", "routing.moe.router=expert_choice"]]
+
+
+@pytest.mark.parametrize("overrides", EXPERT_CASES, ids=lambda o: o[0].split("=")[1])
+def test_per_rank_params_equal_a_model_sharded_over_ep(make_config, overrides):
+    """With parallel.ep = 2 a rank holds half of each MoE layer's routed experts: the count from the
+    config equals the parameters left on each EP rank by shard_experts (what train/engine.py runs)."""
+    cfg = make_config(*overrides, "routing.moe.num_experts=4", "routing.offset=0")
+    counts = analytic_param_counts(cfg.model, cfg.routing)
+    model = build_model(cfg.model, cfg.routing)
+    assert counts["experts"] > 0 and per_rank_params(counts, 1) == model.num_params()
+    for ep_rank in range(2):
+        shard = copy.deepcopy(model)
+        for m in shard.modules():
+            if hasattr(m, "shard_experts"):
+                m.shard_experts(None, ep_rank, 2)
+        assert per_rank_params(counts, 2) == shard.num_params() < model.num_params(), ep_rank
+
+
+def test_estimate_shards_experts_over_ep_and_expert_data_parallel(make_config):
+    """Routed experts: E/ep per rank, ZeRO partitions over dp / ep ranks; the rest as without EP."""
+    cfg = make_config("routing.method=moe", "routing.moe.num_experts=4", "routing.every=1", "routing.offset=0",
+                      "optim.zero_stage=1")
+    counts = config_params(cfg, 1)
+    weights, grads, states = STATE_BYTES["fp32"]
+    totals = []
+    for ep in (1, 2, 4):
+        est = estimate_for_config(cfg, dp=4, ep=ep, device="cpu")
+        experts = counts["experts"] // ep
+        rest = per_rank_params(counts, ep) - experts
+        assert (est.ep, est.params_per_gpu, est.expert_params_per_gpu) == (ep, rest + experts, experts)
+        assert est.model_states == (weights + grads) * (rest + experts) + states * (rest // 4 + experts // (4 // ep))
+        totals.append(est.total)
+    assert totals[0] > totals[1] > totals[2]
+    assert estimate_for_config(make_config("routing.method=moe", "routing.moe.num_experts=4", "parallel.ep=2"),
+                               dp=2, device="cpu").ep == 2  # parallel.ep by default
+    with pytest.raises(ValueError, match="parallel.ep=2 .*dp=3"):
+        estimate_for_config(cfg, dp=3, ep=2, device="cpu")
+    # DeepSpeed's MoE refuses ZeRO-3: the fit table and the pre-flight advice stop at ZeRO-2.
+    assert {r.zero_stage for r in fit_rows(cfg, 64 * GIB, dp=2, ep=2, device="cpu")} == {0, 1, 2}
+    small = make_config("routing.method=moe", "routing.moe.num_experts=4", "train.device_memory=1MiB")
+    fits, message = preflight(small, dp=2, tp=1, device="cpu", ep=2)
+    assert not fits and "EP 2" in message and "with ZeRO-2 (EP refuses ZeRO-3)" in message, message
 
 
 @pytest.mark.parametrize("text,expected", [("32GiB", 32 * GIB), ("2.5GB", 2_500_000_000), ("512 MiB", 512 * 2**20),

@@ -3,13 +3,21 @@ names megaroute.metric_names documents (routing/<layer>/expert_<e>_load, moe_dro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from megaroute import metric_names as names
+from megaroute.data.loader import PackedDataset
+from megaroute.data.prepare import prepare
+from megaroute.model import ForwardOptions
+from megaroute.model.routing.context import eval_modes
 from megaroute.train.callbacks import MLflowLogger
-from megaroute.train.loop import Callback, Trainer, TrainState
+from megaroute.train.loop import Callback, Evaluator, Trainer, TrainState
 from megaroute.train.tracking import MLflowTracker
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 class _LocalEngine:
@@ -126,3 +134,59 @@ def test_moe_expert_metrics_read_back_from_mlflow(make_model, tmp_path):
     for key in (k for layer in LAYERS for k in _expert_keys(layer)):
         history = {p.step: p.value for p in client.get_metric_history(tracker.run_id, key)}
         assert history == {s: pytest.approx(m[key]) for s, m in enumerate(steps, 1)}, key
+
+
+class _EvalEngine:
+    """What the Evaluator calls on a DeepSpeed engine, around a plain model on one CPU process."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, model):
+        self.module = model
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["routing.method=moe", "routing.moe.capacity_factor=0.5"],  # training drops, causal mode does not
+    ["routing.method=mode_integrated", "routing.moe.router=expert_choice"],  # causal: calibrated cuts
+], ids=["moe", "mode_integrated"])
+def test_evaluation_logs_causal_mode_expert_load(make_model, tmp_path, overrides):
+    """The Evaluator logs each MoE layer's causal-mode expert load (what eval/loss runs) under
+    routing_causal/, equal to the layers' own stats on the same batches, and no drop stats."""
+    (tmp_path / "corpus.txt").write_text((REPO / "data" / "tinyshakespeare.txt").read_text()[:20_000])
+    model, cfg = make_model(*overrides, "routing.moe.num_experts=4", "data.tokenizer.kind=char",
+                            f"data.source={tmp_path / 'corpus.txt'}", f"data.output_dir={tmp_path / 'out'}",
+                            "data.num_workers=1", "data.val_fraction=0.2")
+    prepare(cfg.data, progress=False)
+    val = PackedDataset(cfg.data.output_dir, "val", seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
+    calibration = PackedDataset(cfg.data.output_dir, "train", seq_len=cfg.data.seq_len)
+    evaluate = Evaluator(_EvalEngine(model), val, eval_modes(cfg.routing.method), honest_mode="causal", budget=None,
+                         batches=2, micro_batch_size=2, dp_rank=0, dp_size=1, calibration_set=calibration)
+    out = evaluate()
+    assert model.training  # handed back in training mode
+
+    loads = names.expert_loads(out, names.ROUTING_CAUSAL)
+    assert sorted(loads) == LAYERS and all(len(v) == 4 and sum(v) == pytest.approx(1.0) for v in loads.values())
+    assert names.expert_loads(out) == {}  # training's routing/ names stay the training steps'
+    causal = sorted(k for k in out if k.startswith(names.ROUTING_CAUSAL + "/"))
+    assert causal == sorted([names.expert_load(layer, e, names.ROUTING_CAUSAL) for layer in LAYERS for e in range(4)]
+                            + [names.routing_stat(layer, names.EXPERT_LOAD_MAX, names.ROUTING_CAUSAL)
+                               for layer in LAYERS])
+    # The same batches through the model in causal mode (thresholds as the evaluation left them).
+    model.eval()
+    expected: dict[str, float] = {}
+    with torch.no_grad():
+        for x, y in evaluate._batches(val):
+            stats = model(x, y, options=ForwardOptions(mode="causal")).routing_stats
+            for key in causal:
+                layer, stat = key.split("/")[1:]
+                expected[key] = expected.get(key, 0.0) + float(stats[f"{layer}/{stat}"]) / 2
+    assert {k: out[k] for k in causal} == pytest.approx(expected)
