@@ -199,10 +199,12 @@ GPUS = {"v100": 32 * 2**30, "a100-40": 40 * 2**30, "a100-80": 80 * 2**30, "h100"
 def tp_sharded_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters tensor parallelism splits: the weights of the model's TP layers (embedding, LM
     head, attention, SwiGLU). Routing controllers (routers, gates, predictors, cheap FFNs) and
-    norms stay whole on every rank. Tied weights once."""
+    norms stay whole on every rank, and so do TP layers built without the group (`tp_replicated`: MoE
+    shared experts). Tied weights once."""
+    whole = tuple(f"{name}." for name, m in model.named_modules() if getattr(m, "tp_replicated", False))
     out: dict[int, nn.Parameter] = {}
     for name, m in model.named_modules():
-        if isinstance(m, TensorParallelModule) and not is_controller_param(name):
+        if isinstance(m, TensorParallelModule) and not is_controller_param(name) and not name.startswith(whole):
             out.setdefault(id(m.weight), m.weight)
     return list(out.values())
 
@@ -471,7 +473,8 @@ def _moe_ffn(m: ModelConfig, r: RoutingConfig, router_outputs: Optional[int] = N
     """MoEFFN's stacked experts and router, plus the shared experts that replace the block's dense FFN
     (a TP-split SwiGLU, or nothing)."""
     d, h = m.d_model, expert_hidden(m, r.moe)
-    shared = _swiglu(d, r.moe.shared_experts * h, True) if r.moe.shared_experts else []
+    # Shared experts are replicated over TP (moe.py), not sharded.
+    shared = _swiglu(d, r.moe.shared_experts * h, False) if r.moe.shared_experts else []
     return [_moe_experts(m, r), _linear(d, router_outputs or r.moe.num_experts, bias=False), *shared]
 
 

@@ -7,7 +7,8 @@
    CPU this is only a sanity check: gloo all-reduces through TCP, and 2 shared cores bound
    everything (2 OpenMP threads on a loaded 2-core machine can be slower than 1).
 2. Per-step communication estimated from the layout: the bytes each rank all-reduces for TP
-   activations (routing-aware: a MoD block communicates for its k selected tokens only) and for
+   activations (routing-aware: a MoD block communicates for its k selected tokens only; an MoE
+   block for its expert rows, plus its expert weight gradients, which TP peers all-reduce) and for
    DP gradients. "payload" is the tensor size handed to the collective; a ring all-reduce moves
    2 (n - 1) / n of it per rank over the wire.
 """
@@ -25,6 +26,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..inspect import param_counts
 from ..model import build_model
 from ..model.routing import METHODS, method_spec
+from ..model.routing.moe import expert_hidden, expert_rows
 from ..parallel import collectives
 from ..parallel.testing import run_distributed
 
@@ -44,6 +46,9 @@ class CommVolume:
         return 0.0 if n == 1 else payload * 2 * (n - 1) / n
 
 
+EXPERT_METHODS = ("moe", "mode_staged", "mode_integrated")
+
+
 def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, micro_batch: int, seq_len: int,
                 accumulation: int = 1, zero_stage: int = 1, precision: str = "fp32") -> CommVolume:
     """All-reduce payloads of one optimizer step for one rank (see the module docstring)."""
@@ -59,6 +64,12 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
             # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
             tp_bytes += 4 * tokens * d * act
             tp_ops += 4
+            if routing.method in EXPERT_METHODS and routing.is_routed(layer):
+                # The routed experts' rows replace FFN-down / gate_up: their outputs (forward) and input
+                # grads (backward) are all-reduced, and so are the expert weight gradients (moe.py).
+                tp_bytes += 2 * (B * expert_rows(routing, seq_len) - tokens) * d * act
+                tp_bytes += routing.moe.num_experts * 3 * d * expert_hidden(model, routing.moe) * act
+                tp_ops += 2
         # Embedding forward and LM-head input grad, [B, T, d] each; vocab-parallel CE: max, then
         # (target logit, sum of exp), fp32. Depth-gate oracle-label passes are not counted.
         tp_bytes += 2 * B * seq_len * d * act + 3 * B * seq_len * 4

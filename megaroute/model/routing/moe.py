@@ -49,8 +49,12 @@ backward equal the single-process layer). DeepSpeed averages the expert gradient
 expert-data-parallel group (dp / ep ranks); checkpoints keep one file per expert
 (train/checkpoint.py EXPERT_STATES). ep must divide num_experts and dp; ZeRO-3 is refused (DeepSpeed's
 MoE does not support it). Tensor parallelism composes: attention (and the vocabulary) is TP-sharded as
-in a dense block, routers, shared experts and routed experts are replicated over the TP group (each
-TP rank runs the same experts on the same rows), the experts sharded by EP only.
+in a dense block; routers, shared experts and routed experts are replicated over the TP group, the
+experts sharded by EP only. The routed experts' work is split over TP instead of repeated: every TP
+rank routes the same rows identically, runs a 1/tp share of each expert's rows (through the EP
+exchange of its own TP lane) and an all-reduce puts the outputs together; the rows' gradients are
+all-reduced on the way back, and so are the expert weights' (each TP rank saw a share of the rows), so
+TP peers keep identical experts and the layer equals the single-process one.
 Activation checkpointing recomputes the attention piece only (experts and routers run once).
 """
 
@@ -66,6 +70,7 @@ from ...config import Config, ModelConfig, RoutingConfig
 from ...config.schema import ConfigError, MoEConfig
 from ...kernels import reference, resolve
 from ...parallel import experts as expert_parallel
+from ...parallel.mappings import Group, copy_to_tp, reduce_from_tp, tp_rank, tp_size
 from ..block import TransformerBlock
 from ..mlp import SwiGLU
 from ..rope import Positions
@@ -100,7 +105,8 @@ def _attention(blk: TransformerBlock, x: torch.Tensor, pos: Positions) -> torch.
 class MoEFFN(nn.Module):
     """Router + E stacked SwiGLU experts. `route` decides, `experts` computes; forward does both."""
 
-    def __init__(self, model_cfg: ModelConfig, cfg: RoutingConfig, router_outputs: int | None = None):
+    def __init__(self, model_cfg: ModelConfig, cfg: RoutingConfig, router_outputs: int | None = None,
+                 tp_group: Group = None):
         super().__init__()
         moe = cfg.moe
         d, h, E = model_cfg.d_model, expert_hidden(model_cfg, moe), moe.num_experts
@@ -115,6 +121,7 @@ class MoEFFN(nn.Module):
         uses_cuts = moe.router == "expert_choice" or router_outputs is not None
         self.cuts = nn.ModuleList(QuantileCut(cfg.threshold_momentum) for _ in range(E)) if uses_cuts else None
         self.ep_group, self.ep_rank = None, 0  # expert parallelism: see shard_experts
+        self.tp_group = tp_group  # the experts' rows are split over it (module docstring)
 
     @property
     def num_experts(self) -> int:
@@ -219,21 +226,45 @@ class MoEFFN(nn.Module):
         xs = kernels.permute_groups(flat, src)
         w = gate.reshape(B * n, E)[src, torch.repeat_interleave(torch.arange(counts.numel(), device=u.device),
                                                                    counts)]
-        if self.ep_group is None:
-            y = self._local_experts(xs, counts.tolist())
-        else:  # rows of expert e run on the EP rank that holds it (parallel/experts.py)
-            y = expert_parallel.exchange(xs, counts, self._local_experts, self.ep_group)
+        tp = tp_size(self.tp_group)
+        if tp == 1:
+            y = self._expert_rows(xs, counts)
+        else:  # this TP rank's share of every expert's rows; the all-reduce assembles all of them
+            mine, my_counts = tp_share(counts, tp_rank(self.tp_group), tp)
+            y_mine = self._expert_rows(copy_to_tp(xs, self.tp_group).index_select(0, mine), my_counts)
+            y = reduce_from_tp(y_mine.new_zeros((xs.shape[0], y_mine.shape[1])).index_copy(0, mine, y_mine),
+                               self.tp_group)
         return kernels.unpermute_groups(torch.zeros_like(flat), src, w.to(u.dtype), y).view(B, n, D)
+
+    def _expert_rows(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return self._local_experts(xs, counts.tolist())
+        # rows of expert e run on the EP rank that holds it (parallel/experts.py)
+        return expert_parallel.exchange(xs, counts, self._local_experts, self.ep_group)
 
     def _local_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on rows grouped by them (counts[e] rows for local expert e)."""
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        if tp_size(self.tp_group) > 1:  # each TP peer ran a share of the rows: sum the weight gradients
+            w_gate_up, w_down = copy_to_tp(w_gate_up, self.tp_group), copy_to_tp(w_down, self.tp_group)
         ys = []
         # One matmul pair per expert on its contiguous rows; an empty expert still runs (on 0 rows) so
         # every weight takes part in backward on every rank.
         for e, rows in enumerate(xs.split(counts)):
-            g, up = (rows @ self.w_gate_up[e]).chunk(2, dim=-1)
-            ys.append((F.silu(g) * up) @ self.w_down[e])
+            g, up = (rows @ w_gate_up[e]).chunk(2, dim=-1)
+            ys.append((F.silu(g) * up) @ w_down[e])
         return torch.cat(ys) if ys else xs
+
+
+def tp_share(counts: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert (counts[e] each) -> (indices of TP rank `rank`'s share: the rank-th of tp
+    contiguous slices of every expert's rows, still grouped by expert; its per-expert counts)."""
+    start = counts.cumsum(0) - counts
+    lo = start + counts * rank // tp
+    mine = start + counts * (rank + 1) // tp - lo
+    out_start = mine.cumsum(0) - mine
+    idx = torch.arange(int(mine.sum()), device=counts.device) + torch.repeat_interleave(lo - out_start, mine)
+    return idx, mine
 
 
 def moe_update(blk: TransformerBlock, moe: MoEFFN, x: torch.Tensor, pos: Positions, ctx: RoutingContext,
@@ -251,6 +282,8 @@ def _replace_dense_mlp(block: TransformerBlock, model_cfg: ModelConfig, moe: MoE
     # The dense FFN becomes the shared experts (or goes): its parameters would otherwise train nothing.
     block.mlp = SwiGLU(model_cfg.d_model, moe.shared_experts * expert_hidden(model_cfg, moe)) \
         if moe.shared_experts else None
+    if block.mlp is not None:  # built without the TP group: whole on every TP rank (memory.tp_sharded_params)
+        block.mlp.tp_replicated = True
 
 
 class MoELayer(nn.Module):
@@ -258,7 +291,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.block = block
         _replace_dense_mlp(block, model_cfg, cfg.moe)
-        self.moe = MoEFFN(model_cfg, cfg)
+        self.moe = MoEFFN(model_cfg, cfg, tp_group=block.attn.out.group)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         return x + moe_update(self.block, self.moe, x, pos, ctx, name)
@@ -270,7 +303,7 @@ class StagedMoDELayer(MoDLayer):
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__(block, model_cfg, cfg)
         _replace_dense_mlp(block, model_cfg, cfg.moe)
-        self.moe = MoEFFN(model_cfg, cfg)
+        self.moe = MoEFFN(model_cfg, cfg, tp_group=block.attn.out.group)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         idx, valid, weight = self.select(x, ctx, name)
@@ -288,7 +321,7 @@ class IntegratedMoDELayer(nn.Module):
         self.dispatcher = dispatch.Dispatcher(cfg.dispatch)
         self.capacity = cfg.capacity
         _replace_dense_mlp(block, model_cfg, cfg.moe)
-        self.moe = MoEFFN(model_cfg, cfg, router_outputs=cfg.moe.num_experts + 1)
+        self.moe = MoEFFN(model_cfg, cfg, router_outputs=cfg.moe.num_experts + 1, tp_group=block.attn.out.group)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         B, T, _ = x.shape
@@ -347,6 +380,16 @@ def _active_assignments(n: int, moe: MoEConfig) -> int:
     if moe.router == "expert_choice":
         return moe.num_experts * C
     return n * moe.top_k if C is None else min(n * moe.top_k, moe.num_experts * C)
+
+
+def expert_rows(routing: RoutingConfig, T: int) -> int:
+    """Routed-expert rows (token-expert assignments) of one sequence of T tokens in a routed layer of an
+    MoE-family method, as the FLOPs count them (upper bounds: see _active_assignments, _integrated_tokens)."""
+    m = routing.moe
+    if routing.method == "mode_integrated":
+        return m.num_experts * integrated_capacity(T, routing)
+    n = capacity_tokens(routing, T) if routing.method == "mode_staged" else T
+    return _active_assignments(n, m)
 
 
 def _ffn_flops(model: ModelConfig, moe: MoEConfig, n: int, assignments: int, router_out: int) -> dict[str, int]:

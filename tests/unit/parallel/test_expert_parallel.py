@@ -1,5 +1,6 @@
 """Expert parallelism in-process: the MoE FFN with its experts split over 2 gloo ranks (all_to_all
-exchange, megaroute/parallel/experts.py) against the single-process layer, forward and backward; and
+exchange, megaroute/parallel/experts.py), and with its expert rows split over a TP group of 2, against
+the single-process layer, forward and backward; and
 the layout's EP arithmetic against DeepSpeed's group builders' convention; config errors; expert
 checkpoint files loaded by init_from (full model) and by resume (one rank's slice)."""
 
@@ -14,7 +15,7 @@ from megaroute.config.schema import MoEConfig
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import build_model
 from megaroute.model.routing.context import RoutingContext
-from megaroute.model.routing.moe import MoEFFN
+from megaroute.model.routing.moe import MoEFFN, tp_share
 from megaroute.parallel import ParallelLayout
 from megaroute.parallel.experts import is_expert_param
 from megaroute.parallel.testing import run_distributed
@@ -62,6 +63,10 @@ def _ep_rank(rank: int, world: int):
         u, w = _inputs(world, CASES[case][3])
         rows = slice(rank * B, (rank + 1) * B)
         out[case] = _run(moe, u[rows], w[rows])
+        # Tensor parallelism: every rank holds the whole layer and the same rows, and runs a share of them.
+        moe = _moe(case)
+        moe.tp_group = dist.group.WORLD
+        out[f"tp_{case}"] = _run(moe, *_inputs(world, CASES[case][3]))
     return out
 
 
@@ -81,6 +86,23 @@ def test_expert_parallel_matches_single_process():
         # The replicated router: each rank's gradient is its own tokens' share.
         torch.testing.assert_close(sum(by_case[case][2]["router.weight"] for by_case in results),
                                    ref_grads["router.weight"], atol=1e-6, rtol=1e-5)
+        # TP peers: the full layer's output, input gradient and every parameter gradient on each rank.
+        for r, by_case in enumerate(results):
+            y, du, grads = by_case[f"tp_{case}"]
+            torch.testing.assert_close(y, ref_y, atol=1e-6, rtol=1e-5, msg=lambda m: f"tp {case} rank {r}: {m}")
+            torch.testing.assert_close(du, ref_du, atol=1e-6, rtol=1e-5, msg=lambda m: f"tp {case} rank {r}: {m}")
+            for name, ref in ref_grads.items():
+                torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-5,
+                                           msg=lambda m: f"tp {case} rank {r} {name}: {m}")
+
+
+def test_tp_share_splits_every_experts_rows_into_contiguous_slices():
+    counts = torch.tensor([5, 0, 3, 1])
+    shares = [tp_share(counts, r, 2) for r in range(2)]
+    assert [s[0].tolist() for s in shares] == [[0, 1, 5], [2, 3, 4, 6, 7, 8]]
+    assert [s[1].tolist() for s in shares] == [[2, 0, 1, 0], [3, 0, 2, 1]]
+    idx = torch.cat([tp_share(counts, r, 3)[0] for r in range(3)])
+    assert sorted(idx.tolist()) == list(range(9))  # every row exactly once over the group
 
 
 def test_shard_marks_deepspeed_moe_params():
