@@ -91,12 +91,30 @@ class _SplitQKVRotary(torch.autograd.Function):
         return grad, None, None
 
 
+def _split_qkv_rotary_traced(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_SplitQKVRotary's math as plain tensor ops (same arguments), for torch.compile: it cannot trace
+    the `out=` writes into strided views, and inductor fuses these ops into one kernel itself."""
+    cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, Dh] -> [B, H, T, Dh]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).transpose(1, 2)
+
+    q, k, v = qkv.unbind(2)
+    return rotate(q), rotate(k), v.transpose(1, 2)
+
+
 def split_qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused `apply_rotary` for a qkv projection [B, T, 3, H, Dh] and tables [B, 1, T, Dh/2]
     (as Positions holds them): -> q, k (rotated) and v, each [B, H, T, Dh], computed in qkv's dtype
-    (bf16 under autocast, as HF Llama does; the reference rotates in float32)."""
-    return _SplitQKVRotary.apply(qkv, cos.transpose(1, 2), sin.transpose(1, 2))
+    (bf16 under autocast, as HF Llama does; the reference rotates in float32). Eager: one autograd
+    function (contiguous outputs); under torch.compile: the same math as traceable ops."""
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+    if torch.compiler.is_compiling():
+        return _split_qkv_rotary_traced(qkv, cos, sin)
+    return _SplitQKVRotary.apply(qkv, cos, sin)
 
 
 class Positions:

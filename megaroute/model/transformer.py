@@ -177,16 +177,14 @@ class Transformer(nn.Module):
         compiled function (parameters are graph inputs), so `dynamic=False` compiles once per input
         shape: the dense length T and each routed k (and once more for no-grad evaluation). Pieces
         other layers call on their own (the depth gate's attention and FFN paths, MoE experts, the
-        ragged path of hard halting and causal MoD) stay eager. The blocks switch to the reference math
-        (`fused = False`): the fused RoPE writes into strided `out=` views, which torch.compile cannot
-        trace, and inductor fuses the reference RoPE itself; so call `set_fused` before this, not after.
-        Activation checkpointing recomputes the compiled function; the model then no longer pickles.
+        ragged path of hard halting and causal MoD) stay eager. The compiled blocks run the math `fused`
+        selects (`set_fused` before or after this): fused, the RoPE traces as plain ops that inductor
+        fuses (rope.split_qkv_rotary) and CPU bf16 attention stays explicit matmuls (causal_attention:
+        faster than torch's CPU flash kernel compiled too). Activation checkpointing recomputes the
+        compiled function; the model then no longer pickles.
         """
         compiled = torch.compile(TransformerBlock._update, backend=backend, dynamic=dynamic)
         for layer in self.layers:
-            for module in layer.block.modules():
-                if hasattr(module, "fused"):
-                    module.fused = False
             # A partial, not a closure: deepcopy maps its block argument to the copied block.
             layer.block._update = partial(_compiled_update, compiled, layer.block)
         return self

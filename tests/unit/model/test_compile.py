@@ -1,5 +1,5 @@
-"""Transformer.compile_blocks (train.compile): compiled blocks against eager ones, no graph breaks on
-the dense path, one compilation per routed shape.
+"""Transformer.compile_blocks (train.compile): compiled blocks against eager ones (reference and fused
+math), no graph breaks on the dense path, one compilation per routed shape.
 
 Graph breaks and recompilations are decided by dynamo and AOTAutograd, before any backend runs, so
 the fast tests use the `aot_eager` backend (no code generation); one slow test runs inductor itself.
@@ -32,24 +32,25 @@ def dynamo():
     counters.clear()
 
 
-def _pair(routing: RoutingConfig, backend: str):
-    """(eager model, the same weights with compiled blocks), both on the reference math the compiled
-    blocks trace (compile_blocks switches them to it)."""
+def _pair(routing: RoutingConfig, backend: str, fused: bool = False):
+    """(eager model, the same weights with compiled blocks), both on the reference math (or both fused:
+    the compiled blocks trace the fused RoPE as plain ops and keep the CPU bf16 matmul attention)."""
     torch.manual_seed(0)
-    eager = build_model(CFG, routing).set_fused(False)
+    eager = build_model(CFG, routing).set_fused(fused)
     return eager, copy.deepcopy(eager).compile_blocks(backend=backend)
 
 
-def _step(model, tokens):
+def _step(model, tokens, autocast: bool = False):
     model.zero_grad(set_to_none=True)
-    out = model(tokens[:, :-1], targets=tokens[:, 1:])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(tokens[:, :-1], targets=tokens[:, 1:])
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _assert_same_step(eager, compiled, tokens, tol):
-    loss_e, grads_e = _step(eager, tokens)
-    loss_c, grads_c = _step(compiled, tokens)
+def _assert_same_step(eager, compiled, tokens, tol, autocast: bool = False):
+    loss_e, grads_e = _step(eager, tokens, autocast)
+    loss_c, grads_c = _step(compiled, tokens, autocast)
     torch.testing.assert_close(loss_c, loss_e, rtol=tol, atol=tol)
     assert grads_c.keys() == grads_e.keys()
     for name in grads_e:
@@ -77,6 +78,19 @@ def test_compiled_dense_blocks_match_eager_in_one_graph_without_breaks(dynamo):
     with torch.no_grad():  # evaluation: one inference graph more, same values
         torch.testing.assert_close(compiled(tokens[:, :-1]).logits, eager(tokens[:, :-1]).logits)
     assert _graphs() == 2 and dict(dynamo["graph_break"]) == {}
+
+
+@pytest.mark.parametrize("autocast,tol", [(False, 1e-5), (True, 2e-2)], ids=["fp32", "bf16"])
+def test_compiled_fused_blocks_match_eager_fused_in_one_graph(dynamo, autocast, tol):
+    eager, compiled = _pair(RoutingConfig(), "aot_eager", fused=True)
+    assert all(m.fused for m in compiled.modules() if hasattr(m, "fused"))  # compiling keeps the fused math
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    for _ in range(2):
+        _assert_same_step(eager, compiled, tokens, tol, autocast)
+    for layer in compiled.layers:  # recomputed in backward: the same graph
+        layer.block.checkpoint_activations = True
+    _assert_same_step(eager, compiled, tokens, tol, autocast)
+    assert dict(dynamo["graph_break"]) == {} and _graphs() == 1
 
 
 def test_routed_model_compiles_once_per_routed_shape(dynamo):
@@ -111,7 +125,8 @@ def test_cached_decoding_stays_eager_and_matches(dynamo):
 @pytest.mark.slow
 @pytest.mark.parametrize("routing", [RoutingConfig(), MOD], ids=["dense", "mod"])
 def test_inductor_compiled_blocks_match_eager(dynamo, routing):
-    eager, compiled = _pair(routing, "inductor")
+    """The fused math, as train.compile runs it (the reference math traces to the same ops in float32)."""
+    eager, compiled = _pair(routing, "inductor", fused=True)
     tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
     _assert_same_step(eager, compiled, tokens, 1e-5)
     assert dict(dynamo["graph_break"]) == {}

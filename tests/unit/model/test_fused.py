@@ -1,5 +1,6 @@
-"""The fused paths (fused RoPE, CPU bf16 attention, chunked cross-entropy) against the reference math
-that `Transformer.set_fused(False)` selects: forward values and gradients."""
+"""The fused paths (fused RoPE, eager and as traced by torch.compile, CPU bf16 attention, chunked
+cross-entropy) against the reference math that `Transformer.set_fused(False)` selects: forward values
+and gradients."""
 
 from __future__ import annotations
 
@@ -20,15 +21,21 @@ def _tables(B: int, T: int, half: int):
     return angles.cos(), angles.sin()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-def test_split_qkv_rotary_matches_apply_rotary(dtype, tol):
+def test_split_qkv_rotary_matches_apply_rotary(dtype, tol, compiled):
+    """Eager: the autograd function; compiled: the traceable ops it switches to under torch.compile
+    (aot_eager: traced as torch.compile traces it, no code generation)."""
     B, T, H, Dh = 2, 5, 3, 8
     qkv = torch.randn(B, T, 3, H, Dh, dtype=dtype, requires_grad=True)
     cos, sin = _tables(B, T, Dh // 2)
     grads = [torch.randn(B, H, T, Dh, dtype=dtype) for _ in range(3)]
 
-    q, k, v = split_qkv_rotary(qkv, cos, sin)
-    assert all(t.is_contiguous() and t.shape == (B, H, T, Dh) and t.dtype == dtype for t in (q, k, v))
+    torch._dynamo.reset()
+    fn = torch.compile(split_qkv_rotary, backend="aot_eager", fullgraph=True) if compiled else split_qkv_rotary
+    q, k, v = fn(qkv, cos, sin)
+    assert all(t.shape == (B, H, T, Dh) and t.dtype == dtype for t in (q, k, v))
+    assert compiled or all(t.is_contiguous() for t in (q, k, v))
     (fused_grad,) = torch.autograd.grad((q, k, v), qkv, grads)
 
     rq, rk, rv = qkv.permute(2, 0, 3, 1, 4)
