@@ -15,7 +15,10 @@ estimate / measured. `--reestimate FILE` prints the table of an earlier `--json 
 current estimate (no training).
 
 Cases: the tiny dense model and the routing methods of TINY_METHODS at tiny shape (ZeRO 1, one
-rank); a ~30M-parameter "small" dense model at ZeRO 0-3 on two ranks, with and without activation checkpointing; and
+rank); a ~30M-parameter "small" dense model at ZeRO 0-3 on two ranks, with and without activation checkpointing;
+the small shape as an MoE model (routing.method=moe, 4 experts in every 2nd block, ~56M parameters of
+which 35M routed experts) on two ranks at ZeRO 1 with parallel.ep=1 (each rank holds all experts) and
+ep=2 (each holds 2 of each layer's 4, their ZeRO states unpartitioned: dp / ep = 1); and
 dense_157m in fp32 at micro-batch 1 on one rank (the issue's case; `--no-157m` skips it, it
 needs ~8 GiB and minutes of CPU). `--quick`: tiny dense, tiny MoD and small ZeRO-2 on two ranks.
 """
@@ -45,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 OUT_ENV = "MEGAROUTE_MEMORY_OUT"
 SMALL = ["model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.vocab_size=8192",
          "model.max_seq_len=256", "data.seq_len=256", "train.micro_batch_size=4", "train.global_batch_size=8"]
+MOE4 = ["routing.method=moe", "routing.moe.num_experts=4", "routing.every=2"]
 TINY_METHODS = ["mod", "random", "stride", "first_k", "depth_gate", "halting", "early_exit"]
 
 
@@ -62,11 +66,14 @@ def cases(quick: bool, with_157m: bool) -> list[Case]:
     small = [Case(f"small dense z{z} x2", "configs/tiny.yaml", (*SMALL, f"optim.zero_stage={z}"), 2) for z in range(4)]
     small += [Case(f"small dense z{z} x2 ckpt", "configs/tiny.yaml",
                    (*SMALL, f"optim.zero_stage={z}", "parallel.activation_checkpointing=true"), 2) for z in (1, 3)]
+    # MoE (4 experts in every 2nd block) at ZeRO 1 on two ranks, experts replicated (ep 1) or split (ep 2).
+    moe = [Case(f"small moe4 ep{ep} z1 x2", "configs/tiny.yaml",
+                (*SMALL, *MOE4, "optim.zero_stage=1", f"parallel.ep={ep}"), 2) for ep in (1, 2)]
     big = [Case("dense_157m fp32 mb1 z1", "configs/dense_157m.yaml",
                 ("train.precision=fp32", "train.micro_batch_size=1", "train.global_batch_size=1"))]
     if quick:
         return [tiny[0], tiny[1], small[2]]
-    return tiny + small + (big if with_157m else [])
+    return tiny + small + moe + (big if with_157m else [])
 
 
 def _common(data_dir: str, runs: str, steps: int) -> list[str]:
