@@ -1,4 +1,5 @@
-"""Checkpoints of real DeepSpeed jobs (ZeRO 1 and 3, TP 1 and 2) -> Hugging Face -> same logits;
+"""Checkpoints of real DeepSpeed jobs (ZeRO 1 and 3, TP 1 and 2; dense, MoD and MoE with a shared expert)
+-> Hugging Face -> same logits;
 the audit's loader (the converter's reader, in memory) gives them too.
 
 Each run trains 2 steps on CPU ranks and checkpoints. The reference logits come from the same
@@ -19,11 +20,14 @@ from .conftest import BIN, REPO, free_port, start_job
 
 pytestmark = pytest.mark.slow
 
-RUNS = {  # name: (config, zero stage, tp)
-    "dense_z1_tp1": ("configs/tiny.yaml", 1, 1),
-    "mod_z1_tp2": ("configs/tiny_mod.yaml", 1, 2),
-    "mod_z3_tp1": ("configs/tiny_mod.yaml", 3, 1),
-    "dense_z3_tp2": ("configs/tiny.yaml", 3, 2),
+MOE = ("routing.method=moe", "routing.every=2", "routing.offset=1", "routing.moe.num_experts=4",
+       "routing.moe.shared_experts=1")
+RUNS = {  # name: (config, zero stage, tp, overrides)
+    "dense_z1_tp1": ("configs/tiny.yaml", 1, 1, ()),
+    "mod_z1_tp2": ("configs/tiny_mod.yaml", 1, 2, ()),
+    "mod_z3_tp1": ("configs/tiny_mod.yaml", 3, 1, ()),
+    "dense_z3_tp2": ("configs/tiny.yaml", 3, 2, ()),
+    "moe_z3_tp2": ("configs/tiny.yaml", 3, 2, MOE),  # ZeRO-3 partitions the experts (no EP with ZeRO-3)
 }
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -34,8 +38,8 @@ def runs(tmp_path_factory, char_data):
     """name -> run directory, each with one committed checkpoint (step 2)."""
     work = tmp_path_factory.mktemp("hf_runs")
     out = {}
-    for name, (config, zero, tp) in RUNS.items():
-        job = start_job(work, char_data, config, f"optim.zero_stage={zero}", f"parallel.tp={tp}",
+    for name, (config, zero, tp, overrides) in RUNS.items():
+        job = start_job(work, char_data, config, f"optim.zero_stage={zero}", f"parallel.tp={tp}", *overrides,
                         "train.max_steps=2", "checkpoint.interval=2", "tracking.enabled=false", name=name)
         assert job.wait(400) == 0, job.output()[-3000:]
         out[name] = work / "runs" / name
@@ -81,7 +85,7 @@ def test_converted_and_audit_loaded_logits_equal_deepspeed_checkpoint(runs, name
     audited, _ = load_run_model(str(runs[name]))  # TP shards merged / ZeRO-3 reassembled, as for `convert`
     torch.testing.assert_close(audited(tokens, options=ForwardOptions(mode="causal")).logits, reference, atol=1e-4,
                                rtol=0)
-    if name.startswith("mod"):
+    if name.startswith(("mod", "moe")):  # routed: cached decoding equals the full forward
         prompt = tokens[:1, :10]
         cached = hf.generate(prompt, max_new_tokens=24, do_sample=False)
         assert cached.tolist() == hf.generate(prompt, max_new_tokens=24, do_sample=False, use_cache=False).tolist()
