@@ -11,6 +11,9 @@
    block for its expert rows, plus its expert weight gradients, which TP peers all-reduce) and for
    DP gradients. "payload" is the tensor size handed to the collective; a ring all-reduce moves
    2 (n - 1) / n of it per rank over the wire.
+3. MoE-family methods (--method moe, mode_staged, mode_integrated): TP=2 steps with the routed
+   experts' rows split over the two ranks (moe.py) vs the experts repeated on both, interleaved in one
+   process group: wall time, and the ranks' own CPU time (which leaves out waiting on gloo).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..config import ModelConfig, RoutingConfig
 from ..inspect import param_counts
 from ..model import build_model
 from ..model.routing import METHODS, method_spec
-from ..model.routing.moe import expert_hidden, expert_rows
+from ..model.routing.moe import MoEFFN, expert_hidden, expert_rows
 from ..parallel import collectives
 from ..parallel.testing import run_distributed
 
@@ -107,6 +110,33 @@ def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, s
     return sorted(times)[len(times) // 2]
 
 
+def _split_vs_repeat(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int,
+                     warmup: int) -> dict[str, tuple[float, float]]:
+    """TP=2 step medians, {"split" | "repeat": (wall s, this rank's CPU s)}: the MoE layers' experts
+    run a share of the rows per rank (their tp_group set) or every row on both (tp_group None)."""
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = build_model(SHAPE, _routing(method), tp_group=group)
+    moes = [m for m in model.modules() if isinstance(m, MoEFFN)]
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, SHAPE.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[tuple[float, float]]] = {"split": [], "repeat": []}
+    for i in range(2 * (warmup + steps)):
+        mode = "split" if i % 2 == 0 else "repeat"
+        for m in moes:
+            m.tp_group = group if mode == "split" else None
+        collectives.barrier()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        model(data[:, :-1], data[:, 1:]).loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        collectives.barrier()
+        if i >= 2 * warmup:
+            times[mode].append((time.perf_counter() - t0, time.thread_time() - c0))
+    return {mode: tuple(sorted(col)[len(col) // 2] for col in zip(*t)) for mode, t in times.items()}
+
+
 def _routing(method: str) -> RoutingConfig:
     return RoutingConfig() if method == "none" else RoutingConfig(method=method, capacity=0.125, every=2, offset=1)
 
@@ -144,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {t * 1e3:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
         print(f"TP=2 (2 processes x 1 thread): {t2 * 1e3:8.1f} ms/step  {tokens / t2:9.0f} tokens/s  "
               f"(x{min(t1.values()) / t2:.2f} vs the faster TP=1)")
+        if a.method in EXPERT_METHODS:
+            ranks = run_distributed(_split_vs_repeat, 2, *args, env=env)
+            print(f"TP=2 MoE experts, interleaved medians of {a.steps} steps (wall / each rank's CPU, ms):")
+            for mode, what in (("split", "rows split over TP"), ("repeat", "every row on both ranks")):
+                cpu = " / ".join(f"{r[mode][1] * 1e3:.1f}" for r in ranks)
+                print(f"  {what:<24}: wall {max(r[mode][0] for r in ranks) * 1e3:8.1f}   CPU {cpu}")
     v = comm_volume(SHAPE, routing, a.tp, a.dp, a.batch, a.seq_len, zero_stage=a.zero_stage, precision=a.precision)
     print(f"communication per optimizer step and rank (tp {a.tp} x dp {a.dp}, ZeRO-{a.zero_stage}, {a.precision}):")
     print(f"  TP activations : payload {_fmt_bytes(v.tp_activation_bytes)} in {v.tp_collectives} all-reduces, "

@@ -8,6 +8,7 @@ import torch
 
 from megaroute.bench import step
 from megaroute.config import ModelConfig
+from megaroute.config.schema import MoEConfig
 from megaroute.flops import flops_per_token, measure_matmul_flops
 from megaroute.model.routing.calibration import budget_gap
 
@@ -131,3 +132,10 @@ def test_parallel_benchmark_communication_estimate():
                                seq_len=32)
     assert mod.tp_activation_bytes < dense.tp_activation_bytes and mod.dp_gradient_bytes == 0
     assert parallel.comm_volume(shape, RoutingConfig(), tp=1, dp=2, micro_batch=2, seq_len=32).tp_collectives == 0
+    # MoE at layer 1, no capacity limit: its expert rows (one per token at top-1) replace FFN-down/gate_up's
+    # all-reduces, and the 4 experts' gradients [3 x 64 x 128] are all-reduced over TP.
+    moe = parallel.comm_volume(shape, RoutingConfig(method="moe", every=2, offset=1,
+                                                    moe=MoEConfig(num_experts=4, capacity_factor=None)),
+                               tp=2, dp=1, micro_batch=2, seq_len=32)
+    assert moe.tp_activation_bytes == dense.tp_activation_bytes + 4 * (4 * 3 * 64 * 128)
+    assert moe.tp_collectives == dense.tp_collectives + 2
