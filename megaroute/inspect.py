@@ -22,7 +22,7 @@ from .config import Config, RoutingConfig, load_config
 from .config.cli import add_config_args
 from .config.schema import parse_size
 from .flops import COMPONENTS, config_flops, estimate_flops, training_proxy
-from .memory import GPUS, estimate_memory, fit_rows, format_fit_table, param_counts, per_rank_params, tp_sharded_params
+from .memory import GPUS, estimate_for_config, fit_rows, format_fit_table, param_counts, tp_sharded_params
 from .model import build_model
 from .model.routing import METHODS, method_spec
 from .model.routing.moe import active_params
@@ -35,14 +35,7 @@ def inspect_config(cfg: Config, zero_stage: int, tp: int, dp: int, micro_batch: 
     # active: what one token uses (differs from total for MoE: the experts it is not routed to)
     params = {**param_counts(model, tp), "active": active_params(model, cfg.routing, cfg.data.seq_len)}
     flops = config_flops(cfg)
-    memory = estimate_memory(
-        cfg.model, cfg.routing,
-        params_per_gpu=per_rank_params(params, cfg.parallel.ep), ep=cfg.parallel.ep,
-        expert_params_per_gpu=params["experts"] // cfg.parallel.ep, largest_layer_params=params["largest_layer"],
-        seq_len=cfg.data.seq_len, micro_batch=micro_batch, zero_stage=zero_stage, tp=tp, dp=dp,
-        precision=cfg.train.precision, offload_optimizer=cfg.optim.offload_optimizer,
-        offload_params=cfg.optim.offload_params, activation_checkpointing=cfg.parallel.activation_checkpointing,
-    )
+    memory = estimate_for_config(cfg, tp=tp, dp=dp, micro_batch=micro_batch, zero_stage=zero_stage, params=params)
     return {
         "name": cfg.name, "variant": cfg.variant, "size": cfg.size,
         "params": params,

@@ -567,7 +567,8 @@ def estimate_for_config(cfg: Config, *, tp: Optional[int] = None, dp: int = 1, d
                         ep: Optional[int] = None) -> MemoryEstimate:
     """estimate_memory for a config, with any of its layout settings replaced. local_ranks: ranks
     on one machine (CPU: they share its RAM and map each other's comm workspaces). ep (default
-    parallel.ep): each rank holds E/ep of every MoE layer's routed experts. largest_layer and
+    parallel.ep): each rank holds E/ep of every MoE layer's routed experts. params: param_counts (a
+    built model's; without largest_tensor, largest_layer stands in) or config_params. largest_layer and
     largest_tensor stay the full model's (an upper bound under EP: they matter at ZeRO-3, which EP
     refuses, and for unfused AdamW)."""
     tp = tp or cfg.parallel.tp
@@ -576,7 +577,7 @@ def estimate_for_config(cfg: Config, *, tp: Optional[int] = None, dp: int = 1, d
     return estimate_memory(
         cfg.model, cfg.routing, params_per_gpu=per_rank_params(params, ep),
         expert_params_per_gpu=params["experts"] // ep, ep=ep, largest_layer_params=params["largest_layer"],
-        largest_tensor_params=params["largest_tensor"], seq_len=cfg.data.seq_len,
+        largest_tensor_params=params.get("largest_tensor", 0), seq_len=cfg.data.seq_len,
         micro_batch=cfg.train.micro_batch_size if micro_batch is None else micro_batch,
         zero_stage=cfg.optim.zero_stage if zero_stage is None else zero_stage, tp=tp, dp=dp,
         precision=cfg.train.precision,
