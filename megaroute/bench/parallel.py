@@ -87,26 +87,33 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
     return CommVolume(tp_bytes, tp_ops, dp_bytes, gather)
 
 
-def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int, warmup: int,
-                 threads: int) -> float:
-    """Seconds per training step, measured on every rank between barriers."""
-
+def _trainer(world: int, method: str, batch: int, seq_len: int, threads: int):
+    """(model, optimizer, batch, TP group) of one rank: the benchmark model over all `world` ranks."""
     torch.set_num_threads(threads)
     group = dist.new_group(list(range(world))) if world > 1 else None
     torch.manual_seed(0)
     model = build_model(SHAPE, _routing(method), tp_group=group)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randint(0, SHAPE.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
-    times = []
-    for i in range(warmup + steps):
-        collectives.barrier()
-        t0 = time.perf_counter()
-        model(data[:, :-1], data[:, 1:]).loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        collectives.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    return model, optim, data, group
+
+
+def _timed_step(model, optim, data) -> tuple[float, float]:
+    """One training step between barriers -> (wall s, this rank's CPU s)."""
+    collectives.barrier()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    model(data[:, :-1], data[:, 1:]).loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    collectives.barrier()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def _train_steps(rank: int, world: int, method: str, batch: int, seq_len: int, steps: int, warmup: int,
+                 threads: int) -> float:
+    """Seconds per training step, measured on every rank between barriers."""
+    model, optim, data, _ = _trainer(world, method, batch, seq_len, threads)
+    times = [_timed_step(model, optim, data)[0] for _ in range(warmup + steps)][warmup:]
     return sorted(times)[len(times) // 2]
 
 
@@ -114,26 +121,16 @@ def _split_vs_repeat(rank: int, world: int, method: str, batch: int, seq_len: in
                      warmup: int) -> dict[str, tuple[float, float]]:
     """TP=2 step medians, {"split" | "repeat": (wall s, this rank's CPU s)}: the MoE layers' experts
     run a share of the rows per rank (their tp_group set) or every row on both (tp_group None)."""
-    torch.set_num_threads(1)
-    group = dist.new_group(list(range(world)))
-    torch.manual_seed(0)
-    model = build_model(SHAPE, _routing(method), tp_group=group)
+    model, optim, data, group = _trainer(world, method, batch, seq_len, 1)
     moes = [m for m in model.modules() if isinstance(m, MoEFFN)]
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = torch.randint(0, SHAPE.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[tuple[float, float]]] = {"split": [], "repeat": []}
     for i in range(2 * (warmup + steps)):
         mode = "split" if i % 2 == 0 else "repeat"
         for m in moes:
             m.tp_group = group if mode == "split" else None
-        collectives.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        model(data[:, :-1], data[:, 1:]).loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        collectives.barrier()
+        timed = _timed_step(model, optim, data)
         if i >= 2 * warmup:
-            times[mode].append((time.perf_counter() - t0, time.thread_time() - c0))
+            times[mode].append(timed)
     return {mode: tuple(sorted(col)[len(col) // 2] for col in zip(*t)) for mode, t in times.items()}
 
 
