@@ -80,6 +80,6 @@ def expert_loads(metrics: dict[str, float], head: str = ROUTING) -> dict[str, li
     found: dict[str, dict[int, float]] = {}
     for key, value in metrics.items():
         h, layer, stat = (key.split("/") + ["", ""])[:3]
-        if h == head and _expert_index(stat) is not None:
-            found.setdefault(layer, {})[_expert_index(stat)] = value
+        if h == head and (e := _expert_index(stat)) is not None:
+            found.setdefault(layer, {})[e] = value
     return {layer: [by_e[e] for e in sorted(by_e)] for layer, by_e in found.items()}

@@ -362,10 +362,9 @@ def active_params(model: nn.Module, routing: RoutingConfig, T: int) -> int:
             per_expert = (module.w_gate_up.numel() + module.w_down.numel()) // module.num_local_experts
             if module.router.out_features > E:  # integrated MoDE: the experts' share of the run tokens
                 n = _integrated_tokens(routing, T)
-                used = E * integrated_capacity(T, routing) / n
             else:
                 n = capacity_tokens(routing, T) if routing.method == "mode_staged" else T
-                used = _active_assignments(n, routing.moe) / n
+            used = expert_rows(routing, T) / n
             total -= round((E - min(E, used)) * per_expert)
     return total
 
