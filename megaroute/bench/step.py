@@ -17,13 +17,16 @@ Variants (CPU default: all of them): `reference` is today's dense step kept for 
 reference math (`Transformer.set_fused(False)`: float32 RoPE via chunk/cat, torch's SDPA kernel,
 F.cross_entropy on a float32 copy of the logits) and torch's default (for-loop) AdamW; `dense` is
 the optimised step (fused RoPE, CPU bf16 attention as matmuls, chunked cross-entropy, fused AdamW);
-`mod` (capacity 0.125), the capacity baselines `random` / `stride` / `first_k` (same capacity),
-`depth_gate` (budget 0.5), `halting` (soft training forward) and `early_exit`, each routing every
-2nd block. Targets: dense (and, with --compile, dense+compile) >= 1.3x faster than reference in
-fp32 and >= 1.2x in bf16; MoD's step/dense at most 1.05x its FLOPs ratio. `--compile` adds a
-`<variant>+compile` twin of each variant (but reference), its blocks compiled
-(`Transformer.compile_blocks`, what `train.compile: true` runs), interleaved with the rest;
-compilation happens in the warmup steps, so it is not timed.
+`gpt2` is an independent baseline, not megaroute code: nanoGPT's architecture (LayerNorm, GELU
+MLP, learned positions, tied head, SDPA, torch's AdamW; megaroute/bench/gpt2.py) at the same shape,
+the same FLOPs by FlopCounterMode; `mod` (capacity 0.125), the capacity baselines `random` /
+`stride` / `first_k` (same capacity), `depth_gate` (budget 0.5), `halting` (soft training forward)
+and `early_exit`, each routing every 2nd block. Targets: dense (and, with --compile,
+dense+compile) >= 1.3x faster than reference in fp32 and >= 1.2x in bf16, and at most 0.9x the
+gpt2 step; MoD's step/dense at most 1.05x its FLOPs ratio. `--compile` adds a `<variant>+compile`
+twin of each variant (but reference), its blocks compiled (`Transformer.compile_blocks`, what
+`train.compile: true` runs; gpt2+compile: the whole model, as nanoGPT compiles it), interleaved
+with the rest; compilation happens in the warmup steps, so it is not timed.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
 variants' steps are interleaved round by round so machine noise hits all alike. On a shared
@@ -57,12 +60,15 @@ from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
 from ..train.optim import GuardedAdamW, param_groups
+from . import gpt2
 
 TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
 SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's step)
+BASELINE_TARGET = 0.9  # dense step at most this times the gpt2 (nanoGPT architecture) step
 SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=256)
 TARGET_RUN = (SHAPE, 8, 256)  # the speedup targets are set at nanoGPT's shape, batch 8 x 256
 REFERENCE = "reference"  # dense, reference math and torch's default AdamW: today's step
+BASELINE = "gpt2"  # nanoGPT's architecture (bench/gpt2.py), same shape and FLOPs: an independent baseline
 COMPILED = "+compile"  # suffix of a variant whose blocks are torch.compile'd (--compile)
 _ROUTED = dict(every=2, offset=1)
 VARIANTS = {
@@ -75,7 +81,7 @@ VARIANTS = {
     "halting": RoutingConfig(method="halting", **_ROUTED),  # train_forward "soft": every block runs
     "early_exit": RoutingConfig(method="early_exit", **_ROUTED),
 }
-VARIANT_NAMES = (REFERENCE, *VARIANTS)
+VARIANT_NAMES = (REFERENCE, BASELINE, *VARIANTS)
 PHASES = ("forward", "backward", "optimizer")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
@@ -138,13 +144,21 @@ class Trainer:
 
 def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: int, seed: int = 0,
                  device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False,
-                 compile: bool = False) -> Trainer:
+                 compile: bool = False, baseline: bool = False) -> Trainer:
     """A trainer with the training loop's optimizer (GuardedAdamW, decay on matrices); `reference`:
     the reference math and torch's default AdamW implementation, i.e. the step before issue 19;
-    `compile`: the blocks torch.compile'd (Transformer.compile_blocks), compiled at the first step."""
+    `compile`: the blocks torch.compile'd (Transformer.compile_blocks), compiled at the first step;
+    `baseline`: the gpt2 baseline (nanoGPT's architecture and AdamW; `compile` compiles the whole
+    model, as nanoGPT does) instead of a megaroute model."""
     shape = shape or SHAPE
     torch.manual_seed(seed)
     cuda = torch.device(device).type == "cuda"
+    data = torch.randint(0, shape.vocab_size, (batch, seq_len + 1)).to(device)
+    scaler = torch.amp.GradScaler("cuda") if cuda and precision == "fp16" else None
+    if baseline:
+        model = gpt2.GPT2(shape).to(device)
+        optim = gpt2.optimizer(model)
+        return Trainer(torch.compile(model) if compile else model, optim, data[:, :-1], data[:, 1:], precision, scaler)
     model = build_model(shape, routing, device=device)  # fp32 weights: autocast runs the math in 16 bits
     # GuardedAdamW picks torch's fused kernel; foreach=None is torch's default (a loop on CPU)
     impl = {"foreach": None} if reference else {}
@@ -152,9 +166,28 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
     if compile:
         model.compile_blocks()  # the blocks keep the math set_fused chose
     optim = GuardedAdamW(param_groups(model, 0.1), lr=1e-4, **impl)
-    data = torch.randint(0, shape.vocab_size, (batch, seq_len + 1)).to(device)
-    scaler = torch.amp.GradScaler("cuda") if cuda and precision == "fp16" else None
     return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler)
+
+
+def variant_trainer(name: str, shape: ModelConfig, routing: RoutingConfig, precision: str, batch: int,
+                    seq_len: int, device: str = "cpu") -> Trainer:
+    """make_trainer for a variant by its name (reference, gpt2, `<variant>+compile`)."""
+    base = name.removesuffix(COMPILED)
+    return make_trainer(routing, precision, batch, seq_len, device=device, shape=shape, reference=base == REFERENCE,
+                        baseline=base == BASELINE, compile=name.endswith(COMPILED))
+
+
+def variant_flops(variants: dict[str, tuple[ModelConfig, RoutingConfig]], seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token of each variant: megaroute.flops' analytic count; the gpt2 baseline's
+    is dense's scaled by the two models' FlopCounterMode counts at this shape (equal at 8/3 d SwiGLU)."""
+    flops = {name: flops_per_token(s, r, seq_len) for name, (s, r) in variants.items()}
+    for name, (shape, routing) in variants.items():
+        if name.removesuffix(COMPILED) == BASELINE:
+            torch.manual_seed(0)
+            counted = [gpt2.train_flops(model, seq_len, shape.vocab_size)
+                       for model in (gpt2.GPT2(shape), build_model(shape, VARIANTS["dense"]))]
+            flops[name] *= counted[0] / counted[1]
+    return flops
 
 
 def resolve_variants(names: Optional[list[str]], shape: str = "small", configs: Optional[list[str]] = None,
@@ -201,8 +234,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     if torch.device(device).type == "cuda":
         for name, (shape, routing) in variants.items():
-            trainer = make_trainer(routing, precision, batch, seq_len, device=device, shape=shape,
-                                   reference=name == REFERENCE, compile=name.endswith(COMPILED))
+            trainer = variant_trainer(name, shape, routing, precision, batch, seq_len, device)
             for i in range(warmup + steps):
                 phases = trainer.step()
                 if i >= warmup:
@@ -210,8 +242,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
             del trainer
             torch.cuda.empty_cache()
         return times, []
-    trainers = {name: make_trainer(r, precision, batch, seq_len, shape=shape, reference=name == REFERENCE,
-                                   compile=name.endswith(COMPILED))
+    trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
                 for name, (shape, r) in variants.items()}
     dtype = AMP_DTYPES.get(precision, torch.float32)
     peaks = []
@@ -226,11 +257,10 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
 
 
 def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
-                  shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None,
-                  reference: bool = False, compile: bool = False) -> str:
-    """Operator table (self CPU time; self device time on CUDA) of training steps, to see where time goes."""
-    trainer = make_trainer(routing or VARIANTS["mod"], precision, batch, seq_len, device=device, shape=shape,
-                           reference=reference, compile=compile)
+                  shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None, name: str = "mod") -> str:
+    """Operator table (self CPU time; self device time on CUDA) of training steps of variant `name`,
+    to see where time goes."""
+    trainer = variant_trainer(name, shape or SHAPE, routing or VARIANTS["mod"], precision, batch, seq_len, device)
     trainer.step()  # warm up allocator and kernels (and compile) outside the profile
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -270,6 +300,15 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
                 speedup = stat(total[REFERENCE]) / stat(total[name])
                 verdict = "" if target is None else f" (target >= {target}) {'HOLDS' if speedup >= target else 'MISSED'}"
                 lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {speedup:.3f}x faster{verdict}")
+    for name in ("dense", f"dense{COMPILED}"):
+        for base in (BASELINE, f"{BASELINE}{COMPILED}"):
+            if name not in total or base not in total:
+                continue
+            ratios = ", ".join(f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}" for stat in (statistics.median, min))
+            ok = statistics.median(total[name]) / statistics.median(total[base]) <= BASELINE_TARGET
+            verdict = f" (target <= {BASELINE_TARGET}) {'HOLDS' if ok else 'MISSED'}" if speedup_targets else ""
+            lines.append(f"  {name} step / {base} step (nanoGPT's architecture, FLOPs ratio "
+                         f"{flops[name] / flops[base]:.3f}): {ratios}{verdict}")
     if dense and "mod" in med:
         flops_ratio = flops["mod"] / flops["dense"]
         for stat in (statistics.median, min):
@@ -382,8 +421,8 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
         peak_text = f"{peak:.0f} TFLOP/s ({source})" if peak else source
         print(f"\npeak (dense 16-bit tensor cores): {peak_text}; measured {precision} matmul 8192^3: "
               f"{matmul:.0f} TFLOP/s" + (f" ({matmul / peak:.0%} of peak)" if peak else ""))
+        flops = variant_flops(variants, args.seq_len)
         for batch in args.batch:
-            flops = {name: flops_per_token(shape, r, args.seq_len) for name, (shape, r) in variants.items()}
             try:
                 times, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
                                  variants=variants)
@@ -488,13 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     if "dense" not in variants:
         parser.error(f"the CPU comparison needs a dense variant, got {sorted(variants)}")
     shape = variants["dense"][0]
-    flops = {name: flops_per_token(s, r, args.seq_len) for name, (s, r) in variants.items()}
+    flops = variant_flops(variants, args.seq_len)
     for batch in args.batch:
         tokens = batch * args.seq_len
         print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
               f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
-        print("analytic train FLOPs/token: " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
+        print("train FLOPs/token (analytic; gpt2: counted relative to dense): " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
         for precision in args.precision:
@@ -505,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 for name, (s, r) in variants.items():
                     print(f"\n[{precision}] profile of {name} steps (wall time per op)")
-                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, reference=name == REFERENCE,
-                                        compile=name.endswith(COMPILED)))
+                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, name=name))
     return 0
 
 
