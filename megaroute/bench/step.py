@@ -179,13 +179,14 @@ def variant_trainer(name: str, shape: ModelConfig, routing: RoutingConfig, preci
 
 def variant_flops(variants: dict[str, tuple[ModelConfig, RoutingConfig]], seq_len: int) -> dict[str, float]:
     """Training FLOPs per token of each variant: megaroute.flops' analytic count; the gpt2 baseline's
-    is dense's scaled by the two models' FlopCounterMode counts at this shape (equal at 8/3 d SwiGLU)."""
+    is dense's scaled by the two models' FlopCounterMode counts at this shape (equal at 8/3 d SwiGLU),
+    counted on the meta device (no memory, no arithmetic: instant even at 1B)."""
     flops = {name: flops_per_token(s, r, seq_len) for name, (s, r) in variants.items()}
     for name, (shape, routing) in variants.items():
         if name.removesuffix(COMPILED) == BASELINE:
-            torch.manual_seed(0)
-            counted = [gpt2.train_flops(model, seq_len, shape.vocab_size)
-                       for model in (gpt2.GPT2(shape), build_model(shape, VARIANTS["dense"]))]
+            with torch.device("meta"):
+                models = (gpt2.GPT2(shape), build_model(shape, VARIANTS["dense"], device="meta"))
+            counted = [gpt2.train_flops(model, seq_len, shape.vocab_size) for model in models]
             flops[name] *= counted[0] / counted[1]
     return flops
 
