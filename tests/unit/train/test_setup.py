@@ -92,6 +92,20 @@ def test_guard_skips_the_step_and_leaves_parameters_unchanged():
     assert not opt.last_step_skipped and not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_guard_flags_exactly_the_nonfinite_grads(dtype):
+    from megaroute.train.optim import _extremes
+
+    big = torch.finfo(dtype).max
+    grads = [torch.full((3, 5), big, dtype=dtype), torch.full((7,), -big, dtype=dtype), torch.empty(0, dtype=dtype)]
+    assert torch.isfinite(_extremes(grads)).all()  # huge but finite: no false skip (an L2 norm would overflow)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads[1][4] = bad
+        assert not torch.isfinite(_extremes(grads)).all(), bad
+        grads[1][4] = 0.0
+    assert torch.isfinite(_extremes([torch.empty(0, dtype=dtype)])).all()
+
+
 class _HostSyncCounter:
     """Counts tensor -> Python conversions (each is a device sync on a GPU) while active."""
 
