@@ -41,14 +41,18 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation as plain ops, in the dtype the operands promote to: interleaved-free halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, Dh]; rotates interleaved-free halves (GPT-NeoX / Llama layout).
 
     The reference math (in float32, whatever x's dtype); `split_qkv_rotary` is the fused path.
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.type_as(x)
+    return _rotated(x.float(), cos, sin).type_as(x)
 
 
 def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -96,13 +100,8 @@ def _split_qkv_rotary_traced(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """_SplitQKVRotary's math as plain tensor ops (same arguments), for torch.compile: it cannot trace
     the `out=` writes into strided views, and inductor fuses these ops into one kernel itself."""
     cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, Dh] -> [B, H, T, Dh]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).transpose(1, 2)
-
-    q, k, v = qkv.unbind(2)
-    return rotate(q), rotate(k), v.transpose(1, 2)
+    q, k, v = qkv.unbind(2)  # each [B, T, H, Dh] -> [B, H, T, Dh]
+    return _rotated(q, cos, sin).transpose(1, 2), _rotated(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
 
 def split_qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
