@@ -182,12 +182,14 @@ def variant_flops(variants: dict[str, tuple[ModelConfig, RoutingConfig]], seq_le
     is dense's scaled by the two models' FlopCounterMode counts at this shape (equal at 8/3 d SwiGLU),
     counted on the meta device (no memory, no arithmetic: instant even at 1B)."""
     flops = {name: flops_per_token(s, r, seq_len) for name, (s, r) in variants.items()}
-    for name, (shape, routing) in variants.items():
-        if name.removesuffix(COMPILED) == BASELINE:
-            with torch.device("meta"):
-                models = (gpt2.GPT2(shape), build_model(shape, VARIANTS["dense"], device="meta"))
-            counted = [gpt2.train_flops(model, seq_len, shape.vocab_size) for model in models]
-            flops[name] *= counted[0] / counted[1]
+    if BASELINE in variants:  # counted once: its compiled twin (--compile) has the same shape
+        shape = variants[BASELINE][0]
+        with torch.device("meta"):
+            models = (gpt2.GPT2(shape), build_model(shape, VARIANTS["dense"], device="meta"))
+        counted = [gpt2.train_flops(model, seq_len, shape.vocab_size) for model in models]
+        for name in (BASELINE, f"{BASELINE}{COMPILED}"):
+            if name in flops:
+                flops[name] *= counted[0] / counted[1]
     return flops
 
 
