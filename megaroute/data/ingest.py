@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 from urllib.parse import urlparse
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -326,6 +325,10 @@ def _require_hub_reachable(name: str) -> None:
 
 
 def _load_dataset(builder_or_name: str, origin: str, **kwargs):
+    # Imported here, not at the top: `datasets` takes ~0.5 s to import, and every rank of every launch
+    # imports this module for the pre-flight checks, while only jsonl/parquet/arrow/hub sources read through it.
+    import datasets
+
     try:
         return datasets.load_dataset(builder_or_name, **kwargs)
     except Exception as e:  # datasets/pyarrow raise many types; name the input either way

@@ -22,6 +22,7 @@ process never sent), with their original timestamps.
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import math
 import os
@@ -60,6 +61,21 @@ def _is_unreachable(e: BaseException) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
+
+
+def preload_client(uri: str) -> None:
+    """Imports the MLflow client and the store module for `uri` (seconds of imports; best effort: a
+    failure here shows when the writer first uses the client). No store is touched."""
+    modules = ["mlflow.tracking", "mlflow.entities", "mlflow.exceptions"]
+    if uri.startswith(("http://", "https://", "databricks")):
+        modules.append("mlflow.store.tracking.rest_store")
+    elif "://" in uri and not uri.startswith("file:"):  # a database URI (sqlite:///..., postgresql://...)
+        modules += ["mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils"]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - e.g. MLflow missing: the writer reports it
+            return
 
 
 def create_sqlite_store(uri: str) -> None:

@@ -42,7 +42,7 @@ from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 from .run_record import RUN_RECORD, await_run, tracked_run
-from .tracking import MLflowTracker, default_uri
+from .tracking import MLflowTracker, TrackingProcess, default_uri
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -125,6 +125,18 @@ def check_resume_tag(cfg: Config) -> None:
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
     layout, ds_config, init_path = _check(cfg, env)
+    # Rank 0's tracking process starts now and imports MLflow while DeepSpeed sets up: seconds that
+    # rank 0 (and every rank, at the first collective) would otherwise wait before step 1.
+    tracking = TrackingProcess(_tracking_uri(cfg)) if env.is_main and cfg.tracking.enabled else None
+    try:
+        return _train(cfg, env, layout, ds_config, init_path, tracking)
+    finally:
+        if tracking is not None:
+            tracking.discard()  # a launch that failed before its tracker adopted the process
+
+
+def _train(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict, init_path: Optional[str],
+           tracking: Optional[TrackingProcess]) -> int:
     _start(cfg, env, layout, ds_config)
     train_set, val_set, tokenizer = _datasets(cfg)
     model = _model(cfg, env, layout, init_path)
@@ -143,7 +155,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
     stop = StopSignal().install()
     watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
-    tracker = _make_tracker(cfg, env, run_id, tokenizer, state.step, total_steps) if env.is_main else None
+    tracker = _make_tracker(cfg, env, run_id, tokenizer, state.step, total_steps, tracking) if env.is_main else None
     client_state = _client_state(cfg, state, loader, summary, tokenizer.hash, tracker)
     spec = method_spec(cfg.routing.method)
     evaluate = Evaluator(engine, val_set, eval_modes(cfg.routing.method), honest_mode=spec.honest_mode,
@@ -355,9 +367,14 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
         print(f"warning: resuming {tag} with a changed config (hash {client['config_hash']} -> {chash})", flush=True)
 
 
+def _tracking_uri(cfg: Config) -> str:
+    return cfg.tracking.uri or default_uri(cfg.runs_dir)
+
+
 def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, resumed_step: int = 0,
-                  total_steps: Optional[int] = None):
-    """Rank 0's tracker. `run_id`: the one saved in the resumed checkpoint (see `run_record.tracked_run`)."""
+                  total_steps: Optional[int] = None, process: Optional[TrackingProcess] = None):
+    """Rank 0's tracker. `run_id`: the one saved in the resumed checkpoint (see `run_record.tracked_run`);
+    `process`: the tracking process started for it (a new one by default)."""
     if not cfg.tracking.enabled:
         return None
 
@@ -378,7 +395,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, r
         # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
         params["flops.train_executed_vs_full"] = round(
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
-    uri = cfg.tracking.uri or default_uri(cfg.runs_dir)
+    uri = _tracking_uri(cfg)
     run_id, find_existing = tracked_run(cfg, uri, resumed_step, run_id)
     metrics_file = os.path.join(cfg.run_dir, "metrics.jsonl")
     backfill = None  # points up to the resumed step that the store may lack (a tracker killed before sending)
@@ -387,7 +404,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, r
     tracker = MLflowTracker(uri, cfg.tracking.experiment, cfg.name,
                             params=params, tags=tags, artifact_root=os.path.join(cfg.runs_dir, "mlartifacts"),
                             run_id=run_id, record_path=os.path.abspath(os.path.join(cfg.run_dir, RUN_RECORD)),
-                            find_existing=find_existing, backfill=backfill)
+                            find_existing=find_existing, backfill=backfill, process=process)
     tracker.log_artifact(os.path.join(cfg.run_dir, "config.yaml"))
     tracker.log_artifact(os.path.join(cfg.run_dir, "ds_config.json"))
     tracker.log_artifact(tokenizer.path, "tokenizer")

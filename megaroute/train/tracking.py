@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any, Optional
 
-from .mlflow_writer import MLflowWriter
+from .mlflow_writer import MLflowWriter, preload_client
 
 # Items (one per log call) waiting for the next send; only reached if the child stops reading.
 MAX_QUEUED_ITEMS = 10_000
@@ -77,12 +77,14 @@ class _FrameReader:
         return out
 
 
-def _child_main(status_fd: int) -> None:
-    """The tracking process: frames of [(kind, payload), ...] on stdin, status frames on `status_fd`."""
+def _child_main(status_fd: int, uri: str = "") -> None:
+    """The tracking process: frames of [(kind, payload), ...] on stdin, status frames on `status_fd`.
+    `uri`: the store to preload the client for, before the run's frames arrive."""
     signaled = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: signaled.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked by _start_child
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # blocked by TrackingProcess
+    preload_client(uri)
     os.set_blocking(status_fd, False)  # the training process reads it only now and then
     reader = _FrameReader(sys.stdin.fileno())
     writer: Optional[MLflowWriter] = None
@@ -134,6 +136,57 @@ def _child_main(status_fd: int) -> None:
         report()
 
 
+# How the tracking process starts. SIGTERM/SIGINT are blocked before anything is imported: a scheduler
+# signals every process of the job, and one arriving while the child still imports (MLflow: seconds on
+# a loaded node) would kill it before _child_main's handlers exist; _child_main unblocks them once they
+# do. The package is entered through a bare module object for `megaroute` (path: argv[3]), so its
+# __init__, which loads the model (torch: ~1.2 s of CPU per launch) to register the routing methods,
+# does not run: this process needs only this module and mlflow_writer, which import neither.
+_CHILD_CODE = (
+    "import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT}); "
+    "import sys, types; package = types.ModuleType('megaroute'); package.__path__ = [sys.argv[3]]; "
+    "sys.modules['megaroute'] = package; "
+    "from megaroute.train.tracking import _child_main; _child_main(int(sys.argv[1]), sys.argv[2])")
+
+
+class TrackingProcess:
+    """The tracking process, started ahead of its run.
+
+    Started with the tracking URI only, it imports MLflow and that store's client while the training
+    process sets up (seconds: rank 0 would otherwise wait for them before step 1). `MLflowTracker`
+    adopts it and sends it the run; `discard()` ends one that was never adopted (the launch failed first).
+    """
+
+    def __init__(self, uri: str = ""):
+        status_r, status_w = os.pipe()
+        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(status_w), uri, package_dir],
+                                         stdin=subprocess.PIPE, pass_fds=(status_w,), close_fds=True)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+        self._status_reader: Optional[_FrameReader] = _FrameReader(status_r)
+        os.set_blocking(self.proc.stdin.fileno(), False)
+
+    def adopt(self) -> tuple[subprocess.Popen, "_FrameReader"]:
+        """Hands the process and its status pipe to their one owner (an `MLflowTracker`)."""
+        if self._status_reader is None:
+            raise RuntimeError("the tracking process was already adopted or discarded")
+        reader, self._status_reader = self._status_reader, None
+        return self.proc, reader
+
+    def discard(self) -> None:
+        """Ends the process unless a tracker adopted it: with its input closed before any run, it exits."""
+        if self._status_reader is None:
+            return
+        os.close(self._status_reader.fd)
+        self._status_reader = None
+        self.proc.stdin.close()
+
+
 class MLflowTracker:
     """Rank 0's MLflow run. Log calls are cheap, never block and never raise; `close()` is bounded.
 
@@ -157,9 +210,11 @@ class MLflowTracker:
         record_path: Optional[str] = None,
         find_existing: bool = False,
         backfill: Optional[tuple] = None,
+        process: Optional["TrackingProcess"] = None,
     ):
         """`record_path`, `find_existing` and `backfill`: see `MLflowWriter` (the run directory's record
-        of its MLflow run, the look-up by name and tags, the re-sent points of a resumed run)."""
+        of its MLflow run, the look-up by name and tags, the re-sent points of a resumed run). `process`:
+        a tracking process started earlier (see `TrackingProcess`); by default one starts now."""
         self.uri = uri
         self.feed_seconds = feed_seconds
         config = dict(uri=uri, experiment=experiment, run_name=run_name, params={k: str(v) for k, v in params.items()},
@@ -177,34 +232,14 @@ class MLflowTracker:
         self._result: Optional[bool] = None
         self.proc: Optional[subprocess.Popen] = None
         try:
-            self._start_child()
+            process = process or TrackingProcess(uri)
+            self.proc, self._status_reader = process.adopt()
             self._send()
         except Exception as e:  # noqa: BLE001 - no tracking is better than no training
             warnings.warn(f"MLflow tracking disabled: could not start the tracking process ({e})", RuntimeWarning,
                           stacklevel=2)
             self._accepting = False
             self._result = False
-
-    def _start_child(self) -> None:
-        status_r, status_w = os.pipe()
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        # SIGTERM/SIGINT blocked before anything is imported: a scheduler signals every process of the job,
-        # and one arriving while the child still imports (torch, mlflow: seconds on a loaded node) would
-        # kill it before _child_main's handlers exist. _child_main unblocks them once they do.
-        code = ("import signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT}); "
-                "import sys; from megaroute.train.tracking import _child_main; _child_main(int(sys.argv[1]))")
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code, str(status_w)], stdin=subprocess.PIPE,
-                                         pass_fds=(status_w,), env=env, close_fds=True)
-        except BaseException:
-            os.close(status_r)
-            raise
-        finally:
-            os.close(status_w)
-        self._status_reader = _FrameReader(status_r)
-        os.set_blocking(self.proc.stdin.fileno(), False)
 
     # ---- state reported by the tracking process ----
     def _get(self, key: str):

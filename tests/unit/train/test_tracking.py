@@ -136,6 +136,38 @@ def test_params_metrics_tags_artifacts_read_back(store, tmp_path, capfd):
     assert [a.path for a in client.list_artifacts(tracker.run_id, "tokenizer")] == ["tokenizer/tokenizer.json"]
 
 
+def test_a_process_started_ahead_is_adopted_and_never_loads_torch(store):
+    """What pretrain does: the tracking process starts before DeepSpeed (it imports MLflow meanwhile),
+    the tracker adopts it later. It loads neither torch nor the model (megaroute/__init__ does, to
+    register the routing methods): no libtorch is mapped into it, while its SQLite client is."""
+    uri, root = store
+    process = tracking.TrackingProcess(uri)
+    tracker = make(uri, root, "ahead", process=process)
+    assert tracker.proc is process.proc
+    with pytest.raises(RuntimeError, match="already adopted"):
+        process.adopt()
+    process.discard()  # a no-op once adopted: the tracker owns the process
+    assert tracker.wait_for_run(60)
+    maps = open(f"/proc/{tracker.proc.pid}/maps").read()
+    assert "sqlite" in maps and "libtorch" not in maps
+    assert tracker.close() is True
+    assert MlflowClient(tracking_uri=uri).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def test_a_process_never_adopted_exits_when_discarded(store):
+    """A launch that fails after starting the process (a corrupt checkpoint, say) leaves no run and no
+    process behind."""
+    uri, _ = store
+    before = {r.info.run_id for r in MlflowClient(tracking_uri=uri).search_runs(
+        [e.experiment_id for e in MlflowClient(tracking_uri=uri).search_experiments()])}
+    process = tracking.TrackingProcess(uri)
+    process.discard()
+    assert process.proc.wait(60) == 0
+    after = {r.info.run_id for r in MlflowClient(tracking_uri=uri).search_runs(
+        [e.experiment_id for e in MlflowClient(tracking_uri=uri).search_experiments()])}
+    assert after == before
+
+
 def test_interrupted_store_creation_leaves_no_half_migrated_database(tmp_path, monkeypatch):
     """MLflow migrates a new SQLite file in place; interrupted, that file can never be opened again
     ("table ... already exists"). The tracker builds it aside: an interruption leaves nothing."""
