@@ -64,6 +64,7 @@ from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD
                             RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
 from .model.routing.moe import expert_hidden
 from .parallel import TensorParallelModule
+from .train.engine import import_deepspeed
 
 # Bytes per parameter: (weights, gradients, fp32 states: master/fp32-grads/Adam).
 STATE_BYTES = {"mixed": (2, 2, 16), "fp32": (4, 4, 8)}
@@ -102,12 +103,14 @@ def zero_model_state_bytes(
         return dense + experts, source
     kind = _precision_kind(precision)
     if kind == "mixed" and zero_stage == 2:
+        import_deepspeed()
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         _, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=dp, num_nodes=1,
                                                        cpu_offload=offload_optimizer)
         return gpu, "deepspeed estimate_zero2_model_states_mem_needs"
     if kind == "mixed" and zero_stage == 3:
+        import_deepspeed()
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         _, gpu, _ = estimate_zero3_model_states_mem_needs(

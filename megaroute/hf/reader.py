@@ -35,6 +35,7 @@ from ..config import Config, ConfigError, config_hash, load_config
 from ..model import build_model
 from ..train.checkpoint import (MANIFEST, MODEL_STATES, CheckpointError, load_experts, moe_layers, resolve_checkpoint,
                                 verify)
+from ..train.engine import import_deepspeed
 from .adapter import StateDictAdapter
 
 # A bf16 engine prefixes its optimizer partitions: bf16_zero_pp_rank_D_mp_rank_XX_optim_states.pt.
@@ -190,6 +191,7 @@ def _gather_experts(src: CheckpointSource, ranks: list[dict]) -> None:
 
 
 def _zero3_rank(src: CheckpointSource, mp: int) -> dict:
+    import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     view = tempfile.mkdtemp(prefix="megaroute-zero3-")

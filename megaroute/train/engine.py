@@ -1,4 +1,4 @@
-"""DeepSpeed setup: the only module that imports deepspeed.
+"""DeepSpeed setup. `import_deepspeed` is how megaroute imports deepspeed (the rest import its submodules after it).
 
 The DeepSpeed config dict is generated from the typed Config (never hand-written JSON), so
 a run's resolved YAML fully determines its engine.
@@ -6,6 +6,7 @@ a run's resolved YAML fully determines its engine.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -62,9 +63,27 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
     return ds
 
 
-def init_distributed(env: DistEnv) -> None:
-    import deepspeed
+def import_deepspeed():
+    """`import deepspeed`, minus the `import mlflow` its autotuner makes at import time when MLflow is
+    installed: ~1.5 s of CPU in every rank of every launch, for DeepSpeed's autotuning, which megaroute
+    does not use (and the training process keeps MLflow out on purpose: see tracking.py). A `None`
+    entry in sys.modules makes that import raise ImportError, which DeepSpeed catches; the entry goes
+    again right after, so MLflow stays importable for anything else in this process."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
 
+        return deepspeed
+    sys.modules["mlflow"] = None
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", ...) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
+def init_distributed(env: DistEnv) -> None:
+    deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
     if env.backend == "nccl":
         torch.cuda.set_device(env.local_rank)
@@ -130,8 +149,7 @@ def initialize(model: nn.Module, cfg: Config, ds_config: dict, max_steps: int,
     (`expert_parallel_model`) and the optimizer's parameter groups split into DeepSpeed MoE groups
     (deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer).
     """
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     mpu = layout if layout is not None and layout.tp > 1 else None
 
     if layout is not None and layout.ep > 1:
