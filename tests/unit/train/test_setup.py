@@ -20,17 +20,6 @@ def cfg(*overrides):
     return load_config(None, list(overrides))
 
 
-def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
-    """DeepSpeed's autotuner imports MLflow at import time (~1.5 s per rank); import_deepspeed keeps it
-    out of the training process. In a fresh interpreter: this one may hold both already."""
-    code = ("import sys; from megaroute.train.engine import import_deepspeed; import_deepspeed(); "
-            "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules); "
-            "import mlflow; print('ok', mlflow.__name__)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.split() == ["ok", "mlflow"], out.stderr[-3000:]
-
-
 def test_cosine_schedule_warms_up_then_decays_to_min_lr():
     c = cfg("optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10", "optim.schedule=cosine")
     f = lr_lambda(c.optim, max_steps=110)
@@ -305,6 +294,20 @@ def tiny_overrides(tmp_path, *extra) -> list[str]:
 
 def tiny(tmp_path, *extra):
     return cfg(*tiny_overrides(tmp_path, *extra))
+
+
+def test_a_rank_does_not_load_mlflow_which_stays_importable(tmp_path, prepared_dir):
+    """One training step through launcher's main() in a fresh interpreter (this one may hold it
+    already). DeepSpeed's autotuner would import MLflow: ~1.5 s of CPU per rank per launch."""
+    (tmp_path / "c.yaml").write_text("name: imports\n")
+    args = ["--config", str(tmp_path / "c.yaml"), *tiny_overrides(tmp_path, f"data.output_dir={prepared_dir}", "train.max_steps=1",
+                                                      "checkpoint.interval=1000")]
+    code = ("import os, sys; from megaroute.train.run import main; code = main(sys.argv[1:]); "
+            "loaded = [m for m in ('deepspeed', 'mlflow') if m in sys.modules]; import mlflow; "
+            "print(code, *loaded, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["0", "deepspeed"], out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_check_data_missing_prepared_dir_and_unusable_source(tmp_path):
