@@ -195,6 +195,8 @@ class Transformer(nn.Module):
         # 1/sqrt(2 * n_layers) so the residual stream's variance does not grow with depth.
         # Tensor-parallel layers draw the full weight and keep their slice, in the same module
         # order, so a seed gives the same model at every TP size.
+        if self.embed.weight.is_meta:
+            return  # no values to draw (and torch's meta normal_ imports torch._dynamo: ~1.4 s)
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding, TensorParallelModule)):

@@ -16,7 +16,7 @@ computes exactly what its plain counterpart computes. Sharded parameters carry
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,8 @@ class TensorParallelModule(nn.Module):
     @torch.no_grad()
     def init_weight_(self, init_fn: InitFn) -> None:
         """Draws the full weight with init_fn (same RNG consumption as TP=1), keeps the local slice."""
+        if self.weight.is_meta:
+            return  # no values to draw (and torch's meta normal_ imports torch._dynamo: ~1.4 s)
         if tp_size(self.group) == 1:
             init_fn(self.weight)
             return

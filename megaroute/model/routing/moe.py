@@ -116,8 +116,8 @@ class MoEFFN(nn.Module):
         # Initialised as the dense block's MLP (Transformer.reset_parameters): N(0, std), the residual
         # output projection scaled by 1/sqrt(2 n_layers).
         std = model_cfg.init_std
-        self.w_gate_up = nn.Parameter(torch.randn(E, d, 2 * h) * std)
-        self.w_down = nn.Parameter(torch.randn(E, h, d) * (std / math.sqrt(2 * model_cfg.n_layers)))
+        self.w_gate_up = nn.Parameter(_normal((E, d, 2 * h), std))
+        self.w_down = nn.Parameter(_normal((E, h, d), std / math.sqrt(2 * model_cfg.n_layers)))
         uses_cuts = moe.router == "expert_choice" or router_outputs is not None
         self.cuts = nn.ModuleList(QuantileCut(cfg.threshold_momentum) for _ in range(E)) if uses_cuts else None
         self.ep_group, self.ep_rank = None, 0  # expert parallelism: see shard_experts
@@ -276,6 +276,13 @@ def moe_update(blk: TransformerBlock, moe: MoEFFN, x: torch.Tensor, pos: Positio
     if blk.mlp is not None:
         y = y + blk.mlp_update(u)
     return a + y
+
+
+def _normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """N(0, std) on the current device (the same draws as randn * std); on meta only the shape
+    (meta randn would import torch._dynamo: ~1.4 s)."""
+    t = torch.empty(shape)
+    return t if t.is_meta else t.normal_(0.0, std)
 
 
 def _replace_dense_mlp(block: TransformerBlock, model_cfg: ModelConfig, moe: MoEConfig) -> None:

@@ -158,6 +158,26 @@ def test_dense_causality(make_model, mode):
         assert (logits[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3
 
 
+def test_meta_builds_draw_nothing_so_torch_dynamo_stays_unloaded():
+    """A meta build only needs shapes; drawing init values there goes through torch's Python refs, which
+    import torch._dynamo (~1.4 s of every `sweep point`, `sweep plan` and `inspect`). Every method, in a
+    fresh interpreter (this one has loaded it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megaroute.config import load_config; from megaroute.model import build_model; "
+            "from megaroute.model.routing import METHODS; "
+            "over = {'mode_integrated': ['routing.moe.router=expert_choice']}; "
+            "cfgs = [load_config('configs/tiny_mod.yaml', [f'routing.method={m}', *over.get(m, [])]) for m in METHODS]; "
+            "[build_model(c.model, c.routing, device='meta') for c in cfgs]; "
+            "print(len(cfgs), 'torch._dynamo' in sys.modules)")
+    repo = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, loaded = out.stdout.split()
+    assert int(n) >= 8 and loaded == "False", out.stdout
+
+
 def test_build_on_meta_device(make_model):
     cpu, cfg = make_model("model.tie_embeddings=false")
     meta, _ = make_model("model.tie_embeddings=false", device="meta")
