@@ -125,9 +125,7 @@ def check_resume_tag(cfg: Config) -> None:
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
     layout, ds_config, init_path = _check(cfg, env)
-    # Rank 0's tracking process starts now and imports MLflow while DeepSpeed sets up: seconds that
-    # rank 0 (and every rank, at the first collective) would otherwise wait before step 1.
-    tracking = TrackingProcess(_tracking_uri(cfg)) if env.is_main and cfg.tracking.enabled else None
+    tracking = _start_tracking(cfg, env)
     try:
         return _train(cfg, env, layout, ds_config, init_path, tracking)
     finally:
@@ -369,6 +367,18 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
 
 def _tracking_uri(cfg: Config) -> str:
     return cfg.tracking.uri or default_uri(cfg.runs_dir)
+
+
+def _start_tracking(cfg: Config, env: DistEnv) -> Optional[TrackingProcess]:
+    """Rank 0's tracking process, started before DeepSpeed so that it imports MLflow meanwhile: seconds
+    that rank 0 (and every rank, at the first collective) would otherwise wait before step 1. None if
+    it cannot start: the tracker then tries again, and warns (no tracking is better than no training)."""
+    if not (env.is_main and cfg.tracking.enabled):
+        return None
+    try:
+        return TrackingProcess(_tracking_uri(cfg))
+    except Exception:  # noqa: BLE001 - see MLflowTracker
+        return None
 
 
 def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, resumed_step: int = 0,

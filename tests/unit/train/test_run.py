@@ -1,4 +1,4 @@
-"""train/run.py helpers: the training data order's seed and the prepared data's fingerprint."""
+"""train/run.py helpers: the training data order's seed, the prepared data's fingerprint, the tracking process start."""
 
 from __future__ import annotations
 
@@ -67,3 +67,23 @@ def test_data_fingerprint_follows_the_prepared_content(prepared, tmp_path):
     assert data_fingerprint(same_text) == data_fingerprint(prepared)  # another directory, same data
     other = make_prepared(tmp_path / "c", "".join(f"line {i}: another corpus\n" for i in range(2000)))
     assert data_fingerprint(other) != data_fingerprint(prepared)
+
+
+def test_the_tracking_process_starts_on_rank_0_only_and_a_failed_start_is_not_fatal(monkeypatch):
+    """pretrain starts rank 0's tracking process before DeepSpeed; if it cannot (no fork, no fds), the
+    launch goes on and the tracker tries again when the run is known (and warns if that fails too)."""
+    from megaroute.train import run
+    from megaroute.train.env import DistEnv
+
+    started = []
+
+    def spawn(uri):
+        started.append(uri)
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(run, "TrackingProcess", spawn)
+    c = cfg("tracking.uri=sqlite:////tmp/never.db")
+    rank0, rank1 = (DistEnv(rank=r, world_size=2, local_rank=r, backend="gloo", device="cpu") for r in (0, 1))
+    assert run._start_tracking(c, rank1) is None and started == []
+    assert run._start_tracking(c, rank0) is None and started == ["sqlite:////tmp/never.db"]
+    assert run._start_tracking(cfg("tracking.enabled=false"), rank0) is None and len(started) == 1
