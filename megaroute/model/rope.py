@@ -22,7 +22,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.empty(0, device=device).is_meta:  # shapes only (meta arange would import torch._dynamo: ~1.4 s)
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type == "meta":  # shapes only (meta arange would import torch._dynamo: ~1.4 s)
             shape = (self.max_seq_len, self.head_dim // 2)
             return torch.empty(shape, device=device), torch.empty(shape, device=device)
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
