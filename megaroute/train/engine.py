@@ -6,6 +6,7 @@ a run's resolved YAML fully determines its engine.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Optional
 
@@ -64,20 +65,24 @@ def deepspeed_config(cfg: Config, dp_size: int) -> dict[str, Any]:
 
 
 def import_deepspeed():
-    """`import deepspeed`, minus the `import mlflow` its autotuner makes at import time when MLflow is
-    installed: ~1.5 s of CPU in every rank of every launch, for DeepSpeed's autotuning, which megaroute
-    does not use (and the training process keeps MLflow out on purpose: see tracking.py). A `None`
-    entry in sys.modules makes that import raise ImportError, which DeepSpeed catches; the entry goes
-    again right after, so MLflow stays importable for anything else in this process."""
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        import deepspeed
+    """`import deepspeed`, with two of its import-time effects left out:
 
-        return deepspeed
-    sys.modules["mlflow"] = None
+    - the `import mlflow` its autotuner makes when MLflow is installed: ~1.5 s of CPU in every rank of
+      every launch, for autotuning, which megaroute does not use (and the training process keeps
+      MLflow out on purpose: see tracking.py). A `None` entry in sys.modules makes that import raise
+      ImportError, which DeepSpeed catches; the entry goes again right after, so MLflow stays
+      importable for anything else in this process.
+    - its logger writing to stdout: its handler takes the stdout of import time, which is stderr
+      here, so DeepSpeed's lines ("Setting accelerator to CPU ...") never mix into what megaroute's
+      commands print for programs (`inspect --json`, `sweep point`'s arguments)."""
+    fresh = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if fresh:
+        sys.modules["mlflow"] = None
     try:
-        import deepspeed
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
     finally:
-        if sys.modules.get("mlflow", ...) is None:
+        if fresh and sys.modules.get("mlflow", ...) is None:
             del sys.modules["mlflow"]
     return deepspeed
 

@@ -244,6 +244,21 @@ def test_inspect_cli_subprocess_shows_both_training_figures():
     assert "oracle_layers 1 of 6 gated" in out
 
 
+def test_inspect_json_on_stdout_is_only_json():
+    """A mixed-precision ZeRO-2 estimate imports DeepSpeed, which logs to stdout ("Setting accelerator
+    to CPU" where it finds none): that goes to stderr, so a program can parse stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run([sys.executable, "-m", "megaroute.cli", "inspect", "--config", str(CONFIGS / "mod_157m.yaml"),
+                          "--dp", "8", "--zero-stage", "2", "--json", "train.precision=bf16"],
+                         capture_output=True, text=True, check=True, env=env)
+    report = json.loads(out.stdout)
+    assert report["name"] == "mod_157m" and report["memory"]["model_states_bytes"] > 0
+
+
 def test_fit_table_matches_a_hand_computation(capsys):
     """`inspect --fit` for tiny.yaml (fp32, global batch 256) on a 1 GiB GPU at DP 2, against the byte
     counts written out here (megaroute/memory.py's model, term by term)."""
