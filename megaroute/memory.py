@@ -31,11 +31,12 @@ Models", sec. 4), which differs from their 34*s*b*h: no dropout masks, flash att
 no T x T score matrix, SwiGLU, and no sequence parallelism. Per token of a block that processes
 it, in activation elements:
     replicated over TP: each of the two RMSNorms' input and output (the next matmul's
-                        input); fused RMSNorm (CUDA, apex) keeps only these   = 4d
+                        input); the fused RMSNorms (apex on CUDA, norm.py's on CPU)
+                        keep only these                                        = 4d
     TP-sharded:         rotated q, k and v (3d: the fused split+RoPE writes them fresh and keeps
                         no qkv), attention output and its reshaped copy (2d), gate|up (2f),
                         silu(gate), product                                    = 5d + 4f
-CPU adds `cpu_activation_bytes` (the decomposed rms_norm's fp32 copies; bf16 attention's softmax).
+CPU adds `cpu_activation_bytes` (bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
 delta of its k tokens (k x d, for the gate's gradient). The head keeps the final norm's two tensors
@@ -266,19 +267,14 @@ def eval_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: st
 def cpu_activation_bytes(model: ModelConfig, routing: RoutingConfig, seq_len: int, micro_batch: int, precision: str,
                          activation_checkpointing: bool = False) -> int:
     """What CPU training saves beyond activation_bytes (counted with saved-tensor hooks in
-    tests/unit/test_inspect.py, torch 2.13): the decomposed rms_norm keeps fp32 copies of its input
-    and normalized value (8 - p more bytes per element; two norms per block per token it runs, plus
-    the final norm), and bf16 attention up to EAGER_MAX_LEN tokens runs as explicit matmuls that keep
-    the softmax probabilities (heads x n x n, bf16) of each block. With checkpointing only the block
-    being recomputed keeps them."""
+    tests/unit/test_inspect.py, torch 2.13): bf16 attention up to EAGER_MAX_LEN tokens runs as
+    explicit matmuls that keep the softmax probabilities (heads x n x n, bf16) of each block. With
+    checkpointing only the block being recomputed keeps them."""
+    if precision != "bf16" or seq_len > EAGER_MAX_LEN:
+        return 0
     p = ACTIVATION_BYTES[precision]
-    tokens = estimate_flops(model, routing, seq_len).tokens_per_layer
-    norm_tokens = 2 * (max(tokens) if activation_checkpointing else sum(tokens)) + seq_len
-    extra = norm_tokens * model.d_model * (8 - p)
-    if precision == "bf16" and seq_len <= EAGER_MAX_LEN:
-        scores = [model.n_heads * n * n * p for n in tokens]
-        extra += max(scores) if activation_checkpointing else sum(scores)
-    return micro_batch * extra
+    scores = [model.n_heads * n * n * p for n in estimate_flops(model, routing, seq_len).tokens_per_layer]
+    return micro_batch * (max(scores) if activation_checkpointing else sum(scores))
 
 
 def deepspeed_buffer_bytes(params: int, zero_stage: int, dp: int, precision: str, device: str,
@@ -430,7 +426,7 @@ def estimate_memory(
     states, source = zero_model_state_bytes(params_per_gpu, zero_stage, dp, precision,
                                             offload_optimizer, offload_params, largest_layer_params, **experts)
     acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing, device)
-    if device == "cpu":  # fused norms on CUDA (apex) keep input and output only
+    if device == "cpu":
         acts += cpu_activation_bytes(model, routing, seq_len, micro_batch, precision, activation_checkpointing)
     buffers, buffers_source = deepspeed_buffer_bytes(params_per_gpu, zero_stage, dp, precision, device, local_ranks,
                                                      **experts)
