@@ -8,8 +8,8 @@ vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
 
 `fused` (default True; `set_fused(False)` switches the whole model to the reference math, kept for
 tests/unit/model/test_fused.py and the benchmark's "reference" row): fused RoPE and CPU bf16
-attention (attention.py) and, on CPU without TP, the LM loss computed a chunk of rows at a time
-(`chunked_cross_entropy`).
+attention (attention.py), SwiGLU's one-function backward (mlp.py), RMSNorm's on CPU (norm.py) and,
+on CPU without TP, the LM loss computed a chunk of rows at a time (`chunked_cross_entropy`).
 
 `compile_blocks()` (`train.compile: true`) runs each block's dense math through torch.compile; the
 routing glue around it stays eager (see its docstring).

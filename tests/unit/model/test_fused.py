@@ -1,5 +1,5 @@
 """The fused paths (fused RoPE, eager and as traced by torch.compile, CPU bf16 attention, chunked
-cross-entropy) against the reference math that `Transformer.set_fused(False)` selects: forward values
+cross-entropy, CPU RMSNorm, SwiGLU) against the reference math that `Transformer.set_fused(False)` selects: forward values
 and gradients."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from megaroute.model import transformer as transformer_mod
 from megaroute.model.attention import causal_attention
+from megaroute.model.mlp import SwiGLU
+from megaroute.model.norm import RMSNorm
 from megaroute.model.rope import apply_rotary, split_qkv_rotary
 from megaroute.model.transformer import IGNORE_INDEX, chunked_cross_entropy
 
@@ -76,6 +78,61 @@ def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tol):
     torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(grad, ref_grad, rtol=tol, atol=tol)
     assert grad[0, 1].abs().sum() == 0  # ignored targets get no gradient
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,tol", [(torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),
+                                                (torch.bfloat16, torch.float32, 1e-2), (torch.float16, torch.float16, 2e-3)])
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's, on the reference path
+def test_cpu_rms_norm_matches_torch(x_dtype, w_dtype, tol):
+    """RMSNorm's fused CPU function against F.rms_norm in float32 on the same values: output (in x's
+    dtype, as torch returns it) and both gradients; the reference path (fused False) is torch's."""
+    norm = RMSNorm(24, eps=1e-5).to(w_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(24))
+    x = (3 * torch.randn(2, 5, 24)).to(x_dtype).requires_grad_()
+    g = torch.randn(2, 5, 24).to(x_dtype)
+    out = norm(x)
+    grads = torch.autograd.grad(out, (x, norm.weight), g)
+    xf, wf = (t.detach().float().requires_grad_() for t in (x, norm.weight))
+    ref = F.rms_norm(xf, (24,), wf, 1e-5)
+    ref_grads = torch.autograd.grad(ref, (xf, wf), g.float())
+    assert out.dtype == x_dtype and grads[0].dtype == x_dtype and grads[1].dtype == w_dtype
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol * b.abs().max().item())
+    norm.fused = False
+    assert torch.equal(norm(x), F.rms_norm(x, (24,), norm.weight, 1e-5))
+
+
+def test_cpu_rms_norm_gradcheck_and_autocast():
+    """Exact gradients in float64 (computed in x's wider dtype); under bf16 autocast, float32 in and out
+    (autocast runs norms in float32)."""
+    norm = RMSNorm(8).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: torch.func.functional_call(norm, {"weight": w}, (a,)),
+                                    (x, norm.weight.detach().clone().requires_grad_()))
+    x32 = torch.randn(2, 4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = RMSNorm(8)(x32)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert x32.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_function_matches_plain_ops_bit_for_bit(dtype):
+    mlp = SwiGLU(12, 20).to(dtype)
+    x = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 5, 12, dtype=dtype)
+    results = []
+    for fused in (True, False):
+        mlp.fused = fused
+        out = mlp(x)
+        results.append((out, *torch.autograd.grad(out, (x, *mlp.parameters()), g)))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def _loss_and_grads(model, tokens, targets, autocast: bool):
