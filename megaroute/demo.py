@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from . import metric_names as names
 from .config import load_config
 from .flops import flops_per_token
-from .train.tracking import default_uri
+from .train.tracking import config_uri
 
 RUNS = (("dense", "configs/tiny.yaml"), ("mod", "configs/tiny_mod.yaml"))
 # Short enough that install + both runs fit in 10 minutes on 2 cores, long enough that the
@@ -33,7 +33,7 @@ def _launch(config: str, name: str, nprocs: int, overrides: list[str]) -> None:
 
 
 def _summary(cfg, run_name: str) -> dict:
-    client = MlflowClient(tracking_uri=cfg.tracking.uri or default_uri(cfg.runs_dir))
+    client = MlflowClient(tracking_uri=config_uri(cfg))
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     run = client.search_runs([exp.experiment_id], f"attributes.run_name = '{run_name}'",
                              order_by=["attributes.start_time DESC"], max_results=1)[0]

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..config import ConfigError
-from ..train.tracking import default_uri
+from ..train.tracking import config_uri
 from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
                      write_report)
 
@@ -45,7 +45,7 @@ def run(args) -> int:
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     model, cfg = load_run_model(args.checkpoint)
-    uri = args.mlflow_uri or cfg.tracking.uri or default_uri(cfg.runs_dir)
+    uri = args.mlflow_uri or config_uri(cfg)
     # Before the model passes, so a refusal to pool the experiment's runs comes in seconds.
     seeds = seed_report(uri, args.experiment) if args.experiment else None
     reference = load_run_model(args.reference)[0] if args.reference else None

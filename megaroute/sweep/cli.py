@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..config import load_config
-from ..train.tracking import default_uri
+from ..train.tracking import config_uri
 from . import local, report
 from .plan import format_table, plan, pretrain_command
 from .spec import load_spec
@@ -118,7 +118,7 @@ def run_point(args) -> int:
 def _tracking(points) -> tuple[str, str, str]:
     """(tracking URI, experiment, default analysis directory), the same for every point."""
     cfg = load_config(points[0].config_path, points[0].overrides)
-    return (cfg.tracking.uri or default_uri(cfg.runs_dir), cfg.tracking.experiment,
+    return (config_uri(cfg), cfg.tracking.experiment,
             os.path.abspath(os.path.join(cfg.runs_dir, "analysis")))
 
 

@@ -53,7 +53,7 @@ from ..data import INDEX_FILE
 from ..data.prepare import prepare
 from ..train.mlflow_writer import create_sqlite_store
 from ..train.signals import EXIT_REQUEUE, StopSignal
-from ..train.tracking import default_uri
+from ..train.tracking import config_uri, default_uri
 from . import report
 from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run
 from .plan import TAG_ROLE, TAG_SWEEP, Point, plan
@@ -102,7 +102,7 @@ def tracking_overrides(spec: SweepSpec, overrides: tuple[str, ...]) -> tuple[tup
         raise SweepSpecError(spec.path, "overrides", "tracking.enabled is false; a local sweep needs MLflow "
                              "to skip finished points and to analyze the runs")
     if any(o.startswith("tracking.uri=") for o in overrides):
-        uri = cfg.tracking.uri or default_uri(cfg.runs_dir)  # tracking.uri=null: the default store
+        uri = config_uri(cfg)  # tracking.uri=null: the default store
     else:
         uri = default_uri(cfg.runs_dir)
         if cfg.tracking.uri and cfg.tracking.uri != uri:

@@ -42,7 +42,7 @@ from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 from .run_record import RUN_RECORD, await_run, tracked_run
-from .tracking import MLflowTracker, TrackingProcess, default_uri
+from .tracking import MLflowTracker, TrackingProcess, config_uri
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -365,10 +365,6 @@ def _check_resume_compat(client: dict, chash: str, tokenizer_hash: str, tag: str
         print(f"warning: resuming {tag} with a changed config (hash {client['config_hash']} -> {chash})", flush=True)
 
 
-def _tracking_uri(cfg: Config) -> str:
-    return cfg.tracking.uri or default_uri(cfg.runs_dir)
-
-
 def _start_tracking(cfg: Config, env: DistEnv) -> Optional[TrackingProcess]:
     """Rank 0's tracking process, started before DeepSpeed so that it imports MLflow meanwhile: seconds
     that rank 0 (and every rank, at the first collective) would otherwise wait before step 1. None if
@@ -376,7 +372,7 @@ def _start_tracking(cfg: Config, env: DistEnv) -> Optional[TrackingProcess]:
     if not (env.is_main and cfg.tracking.enabled):
         return None
     try:
-        return TrackingProcess(_tracking_uri(cfg))
+        return TrackingProcess(config_uri(cfg))
     except Exception:  # noqa: BLE001 - see MLflowTracker
         return None
 
@@ -405,7 +401,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, r
         # What autograd runs with the base frozen (the proxy above keeps the 3x-forward convention).
         params["flops.train_executed_vs_full"] = round(
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
-    uri = _tracking_uri(cfg)
+    uri = config_uri(cfg)
     run_id, find_existing = tracked_run(cfg, uri, resumed_step, run_id)
     metrics_file = os.path.join(cfg.run_dir, "metrics.jsonl")
     backfill = None  # points up to the resumed step that the store may lack (a tracker killed before sending)

@@ -41,6 +41,11 @@ def default_uri(runs_dir: str) -> str:
     return f"sqlite:///{os.path.abspath(os.path.join(runs_dir, 'mlflow.db'))}"
 
 
+def config_uri(cfg) -> str:
+    """The store a config's runs go to: tracking.uri, else the SQLite store under runs_dir."""
+    return cfg.tracking.uri or default_uri(cfg.runs_dir)
+
+
 # ---------------------------------------------------------------- frames
 
 _LEN = struct.Struct("!I")
