@@ -492,7 +492,6 @@ def _depth_gate(m: ModelConfig, r: RoutingConfig) -> list[_Module]:
 # The built-in methods' routed layers: (the modules a routed layer adds beside its block, whether they
 # replace the block's dense FFN). Mirrors the layers' constructors; test_memory.py checks every method
 # against built models. Methods registered elsewhere are counted on a meta-device build instead.
-# EXPERT_METHODS: those whose routed layers hold routed experts (_moe_experts), split by EP.
 _ROUTED_PARAMS = {
     DENSE: (lambda m, r: [], False),  # no block is routed
     MOD: (_mod_router, False),
@@ -507,7 +506,6 @@ _ROUTED_PARAMS = {
     MODE_STAGED: (lambda m, r: _mod_router(m, r) + _moe_ffn(m, r), True),
     MODE_INTEGRATED: (lambda m, r: _moe_ffn(m, r, r.moe.num_experts + 1), True),
 }
-EXPERT_METHODS = (MOE, MODE_STAGED, MODE_INTEGRATED)
 
 
 def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 1) -> Optional[dict[str, int]]:
@@ -524,7 +522,7 @@ def analytic_param_counts(model: ModelConfig, routing: RoutingConfig, tp: int = 
         if routing.is_routed(i):
             layer_params, replaces_ffn = _ROUTED_PARAMS[spec]
             extra = layer_params(model, routing)
-            experts += sum(_moe_experts(model, routing)[0]) if spec in EXPERT_METHODS else 0
+            experts += sum(_moe_experts(model, routing)[0]) if spec.experts else 0
         modules += [((d,), False), ((d,), False), ((3 * d * d,), True), ((d * d,), True), *extra]
         modules += [] if replaces_ffn else _swiglu(d, f, True)
     total = sum(sum(sizes) for sizes, _ in modules)
@@ -764,7 +762,7 @@ def preflight(cfg: Config, *, dp: int, tp: int, device: str, local_rank: int = 0
         lines += [f"  {' '.join(changes(r)) or 'as configured'}: {_gib(r.total)}" for r in rows[:6]]
     else:
         top = _max_zero_stage(ep)
-        moe = method_spec(cfg.routing.method) in EXPERT_METHODS
+        moe = method_spec(cfg.routing.method).experts
         experts = "; parallel.ep splits the routed experts" if moe else ""
         lines.append(f"Nothing fits at DP {dp}, TP {tp}{f', EP {ep}' if ep > 1 else ''}, even at micro-batch 1 with "
                      f"ZeRO-{top}{' (EP refuses ZeRO-3)' if top < 3 else ''} and activation checkpointing: use more "

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from ..config import ModelConfig, RoutingConfig
 from ..inspect import param_counts
-from ..memory import EXPERT_METHODS
 from ..model import build_model
 from ..model.routing import METHODS, method_spec
 from ..model.routing.moe import MoEFFN, expert_hidden, expert_rows
@@ -65,7 +64,7 @@ def comm_volume(model: ModelConfig, routing: RoutingConfig, tp: int, dp: int, mi
             # forward: attention-out and FFN-down all-reduces; backward: the qkv and gate_up input grads.
             tp_bytes += 4 * tokens * d * act
             tp_ops += 4
-            if spec in EXPERT_METHODS and routing.is_routed(layer):
+            if spec.experts and routing.is_routed(layer):
                 # The routed experts' rows replace FFN-down / gate_up: their outputs (forward) and input
                 # grads (backward) are all-reduced, and so are the expert weight gradients (moe.py).
                 tp_bytes += 2 * (B * expert_rows(routing, seq_len) - tokens) * d * act
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {t * 1e3:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
         print(f"TP=2 (2 processes x 1 thread): {t2 * 1e3:8.1f} ms/step  {tokens / t2:9.0f} tokens/s  "
               f"(x{min(t1.values()) / t2:.2f} vs the faster TP=1)")
-        if method_spec(a.method) in EXPERT_METHODS:
+        if method_spec(a.method).experts:
             ranks = run_distributed(_split_vs_repeat, 2, *args, env=env)
             print(f"TP=2 MoE experts, interleaved medians of {a.steps} steps (wall / each rank's CPU, ms):")
             for mode, what in (("split", "rows split over TP"), ("repeat", "every row on both ranks")):

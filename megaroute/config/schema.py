@@ -532,9 +532,10 @@ class Config:
         spec = ROUTING_METHODS[self.routing.method]
         if spec.check_config is not None:
             spec.check_config(self)  # the MoE methods check parallel.ep against the experts
-        _require(self.parallel.ep == 1 or self.routing.method in ("moe", "mode_staged", "mode_integrated"),
-                 "parallel.ep", f"expert parallelism needs an MoE routing.method (moe, mode_staged, "
-                                f"mode_integrated), got {self.routing.method!r} with ep={self.parallel.ep}")
+        if self.parallel.ep != 1 and not spec.experts:
+            methods = ", ".join(name for name, s in ROUTING_METHODS.items() if s.experts)
+            raise ConfigError("parallel.ep", f"expert parallelism needs an MoE routing.method ({methods}), "
+                                             f"got {self.routing.method!r} with ep={self.parallel.ep}")
         if self.train.compile:
             _require(self.optim.zero_stage <= 2, "train.compile", f"needs optim.zero_stage <= 2, got {self.optim.zero_stage}")
             _require(self.parallel.tp == 1, "train.compile", f"needs parallel.tp 1, got {self.parallel.tp}")

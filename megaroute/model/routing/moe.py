@@ -476,14 +476,14 @@ def _describe(routing: RoutingConfig, where: str, k: int, T: int) -> str:
 
 
 MOE = MethodSpec(name="moe", layer=MoELayer, flops=_moe_flops, describe=_describe,
-                 check_config=_check_config, syncs_state=True, audit=None,
+                 check_config=_check_config, syncs_state=True, experts=True, audit=None,
                  eval_modes={"_topk": "topk", "_causal": "causal"})
 MODE_STAGED = MethodSpec(name="mode_staged", layer=StagedMoDELayer, controller=("router", "predictor"),
                          tokens=capacity_tokens, budget=capacity_budget, flops=_staged_flops, describe=_describe,
-                         check_config=_check_config, syncs_state=True)
+                         check_config=_check_config, syncs_state=True, experts=True)
 MODE_INTEGRATED = MethodSpec(name="mode_integrated", layer=IntegratedMoDELayer, controller=("router",),
                              tokens=_integrated_tokens, budget=_integrated_budget, flops=_integrated_flops,
-                             describe=_describe, check_config=_check_integrated, syncs_state=True)
+                             describe=_describe, check_config=_check_integrated, syncs_state=True, experts=True)
 
 __all__ = ["MODE_INTEGRATED", "MODE_STAGED", "MOE", "IntegratedMoDELayer", "MoEFFN", "MoELayer", "StagedMoDELayer",
            "active_params", "expert_capacity", "moe_update"]

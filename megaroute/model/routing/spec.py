@@ -121,6 +121,9 @@ class MethodSpec:
     describe: Optional[Callable[[RoutingConfig, str, int, int], str]] = None
     # Cross-section config checks for this method (raise ConfigError).
     check_config: Optional[Callable[[Config], None]] = None
+    # Its routed layers hold routed experts (routing.moe), which expert parallelism (parallel.ep)
+    # partitions over ranks; parallel.ep > 1 is refused for any other method.
+    experts: bool = False
     # Per-rank routing state that training averages over data parallelism after each step
     # (RoutingStateSync: the calibrated causal thresholds, calibration.QuantileCut).
     syncs_state: bool = False
