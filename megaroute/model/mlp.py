@@ -1,9 +1,10 @@
 """SwiGLU feed-forward; under tensor parallelism each rank owns hidden / tp units (gate|up column-
 parallel, split per block; down row-parallel).
 
-`fused` (default True): silu(gate) * up as one autograd function whose backward writes both halves
-of the gate|up gradient in place; `fused = False` (and torch.compile, which fuses the plain ops
-itself) keeps autograd's graph of chunk, silu and mul, whose backward concatenates the two halves.
+`fused` (default True): silu(gate) * up as one autograd function (`swiglu`, which the MoE experts
+call too) whose backward writes both halves of the gate|up gradient in place; `fused = False` (and
+torch.compile, which fuses the plain ops itself) keeps autograd's graph of chunk, silu and mul, whose
+backward concatenates the two halves.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class _SwiGLUFunction(torch.autograd.Function):
         return grad_gate_up
 
 
+def swiglu(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """silu(gate) * up of gate_up [..., 2h] (gate first): the one function unless `fused` is False
+    or torch.compile is tracing (inductor fuses the plain ops itself)."""
+    if fused and not torch.compiler.is_compiling():
+        return _SwiGLUFunction.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int, tp_group: Group = None):
         super().__init__()
@@ -50,8 +60,4 @@ class SwiGLU(nn.Module):
         self.fused = True  # False: the plain ops (see the module docstring)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        if self.fused and not torch.compiler.is_compiling():
-            return self.down(_SwiGLUFunction.apply(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x), self.fused))

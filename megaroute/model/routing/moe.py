@@ -72,7 +72,7 @@ from ...kernels import reference, resolve
 from ...parallel import experts as expert_parallel
 from ...parallel.mappings import Group, copy_to_tp, reduce_from_tp, tp_rank, tp_size
 from ..block import TransformerBlock
-from ..mlp import SwiGLU
+from ..mlp import SwiGLU, swiglu
 from ..rope import Positions
 from . import dispatch
 from .calibration import QuantileCut
@@ -251,8 +251,7 @@ class MoEFFN(nn.Module):
         # One matmul pair per expert on its contiguous rows; an empty expert still runs (on 0 rows) so
         # every weight takes part in backward on every rank.
         for e, rows in enumerate(xs.split(counts)):
-            g, up = (rows @ w_gate_up[e]).chunk(2, dim=-1)
-            ys.append((F.silu(g) * up) @ w_down[e])
+            ys.append(swiglu(rows @ w_gate_up[e]) @ w_down[e])
         return torch.cat(ys) if ys else xs
 
 
