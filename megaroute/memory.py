@@ -179,11 +179,12 @@ def _chunked_loss(device: str, tp: int) -> bool:
 
 
 # Resident bytes of a CPU rank apart from its model: Python + torch + megaroute + deepspeed imported
-# (~390 MiB of it, VmRSS after the imports), the gloo process group, DeepSpeed's engine and CPU ops,
-# allocator arenas. Measured: VmHWM of one rank training configs/tiny.yaml (0.87M parameters) minus
-# the model-dependent terms below, 630-660 MiB over the tiny dense, MoD and depth-gate runs of
-# `python -m megaroute.bench.memory` (torch 2.13, deepspeed 0.19.8).
-CPU_FRAMEWORK_BYTES = 640 * 2**20
+# (~284 MiB of it, VmRSS after the imports; ~390 before the ranks stopped importing MLflow and
+# `datasets`), the gloo process group, DeepSpeed's engine and CPU ops, allocator arenas. Measured:
+# VmHWM of one rank training configs/tiny.yaml (0.87M parameters) minus the model-dependent terms
+# below, 516-539 MiB over the eight tiny runs of `python -m megaroute.bench.memory` (torch 2.13,
+# deepspeed 0.19.8).
+CPU_FRAMEWORK_BYTES = 525 * 2**20
 # Device memory a CUDA process holds outside torch's allocator (context, cuBLAS/NCCL workspaces).
 # Counted against a device's total memory (`inspect --fit`), not against mem_get_info's free
 # memory, which is read after the context exists. Typical for recent drivers; not measured here.
