@@ -42,9 +42,10 @@ class _RMSNormFunction(torch.autograd.Function):
             xhat = x.to(rstd.dtype) * rstd
             g = grad.to(rstd.dtype)
             t = g * xhat  # weight gradient terms; t @ w is each row's <grad * weight, xhat>
-            dot = torch.mv(t.view(-1, t.shape[-1]), w).view(rstd.shape).div_(x.shape[-1])
+            rows = t.reshape(-1, t.shape[-1])  # a view unless an input's strides were odd
+            dot = torch.mv(rows, w).view(rstd.shape).div_(x.shape[-1])
             grad_x = torch.addcmul(g * w, xhat, dot, value=-1).mul_(rstd)
-            grad_w = t.view(-1, t.shape[-1]).sum(0)
+            grad_w = rows.sum(0)
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
