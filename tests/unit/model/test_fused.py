@@ -105,14 +105,21 @@ def test_cpu_rms_norm_matches_torch(x_dtype, w_dtype, tol):
 
 
 def test_cpu_rms_norm_gradcheck_and_autocast():
-    """Exact gradients in float64 (computed in x's wider dtype); under bf16 autocast, float32 in and out
-    (autocast runs norms in float32)."""
+    """Exact gradients in float64 (computed in x's wider dtype); a permuted input; under bf16 autocast,
+    float32 in and out (autocast runs norms in float32)."""
     norm = RMSNorm(8).double()
     with torch.no_grad():
         norm.weight.normal_()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w: torch.func.functional_call(norm, {"weight": w}, (a,)),
                                     (x, norm.weight.detach().clone().requires_grad_()))
+    permuted = torch.randn(2, 8, 5).transpose(1, 2).requires_grad_()  # not viewable as rows
+    norm32 = RMSNorm(8)
+    grads = torch.autograd.grad(norm32(permuted), (permuted, norm32.weight), torch.ones(2, 5, 8))
+    norm32.fused = False
+    ref_grads = torch.autograd.grad(norm32(permuted), (permuted, norm32.weight), torch.ones(2, 5, 8))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     x32 = torch.randn(2, 4, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = RMSNorm(8)(x32)
