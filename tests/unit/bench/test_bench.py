@@ -74,6 +74,12 @@ def test_report_figures_mean_their_labels():
     assert "median dense step vs reference (today's step): 1.333x faster (target >= 1.3) HOLDS" in out
     assert "1.07 x (target <= 1.05) MISSED" in out
     assert "target >=" not in step.report("bf16", steps, 1000, flops, [4e9], speedup_targets=False)
+    # per round: the ratio of the two variants' steps of the same round (rounds are interleaved)
+    rounds = {"reference": [{"forward": t, "backward": 0.0, "optimizer": 0.0} for t in (1.0, 2.0, 1.2, 1.1)],
+              "dense": [{"forward": t, "backward": 0.0, "optimizer": 0.0} for t in (0.8, 1.6, 1.0, 1.0)]}
+    out = step.report("fp32", rounds, 1000, {"reference": 1e6, "dense": 1e6}, [4e9])
+    # ratios 1.25, 1.25, 1.2, 1.1 -> median 1.225, quartiles (inclusive) 1.175 and 1.25
+    assert "reference / dense, per round: median 1.225, interquartile 1.175-1.250 of 4" in out
     # --compile: the compiled dense step against the reference too, and against its eager twin
     steps["dense+compile"], flops["dense+compile"] = [{"forward": 0.3, "backward": 0.7, "optimizer": 0.0}] * 3, 1e6
     out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[4e9])
