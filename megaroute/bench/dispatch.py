@@ -7,9 +7,10 @@ with each layer's decision replaced by a random mask executing f of the batch's 
 fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
 the batch, "spread" masks give the sequences different fractions around f (see random_masks).
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
-torch thread, this thread's CPU time, dense and hard interleaved in one process), their ratio,
-and the FLOPs ratio of the two forwards (FlopCounterMode; the gates, the embedding and the LM head
-run on every token). Target (issue 19): ratio <= 0.88 at f = 0.8.
+torch thread, this thread's CPU time, dense and hard interleaved in one process), their ratio, the
+interquartile range of the per-round ratios (bench/noise.py), and the FLOPs ratio of the two
+forwards (FlopCounterMode; the gates, the embedding and the LM head run on every token). Target
+(issue 19): ratio <= 0.88 at f = 0.8.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import load_config
 from ..model import ForwardOptions, build_model
+from .noise import per_round
 
 SHAPES = {
     # nanoGPT's comparison shape (issue 19): 6 layers, d 384, 6 heads, T 256, batch 8, vocab 8192
@@ -100,7 +102,8 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
     dense_s, dense_flops = statistics.median(times["dense"]), _flops(dense)
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
-             "ratio": statistics.median(times[c]) / dense_s, "flops_ratio": _flops(runs[c]) / dense_flops}
+             "ratio": statistics.median(times[c]) / dense_s, "rounds": per_round(times[c], times["dense"]),
+             "flops_ratio": _flops(runs[c]) / dense_flops}
             for c in cases]
 
 
@@ -119,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--fracs: fractions must lie in [0, 1], got {args.fracs}")
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
-          f"{'FLOPs ratio':>11}")
+          f"{'per-round IQR':>13} {'FLOPs ratio':>11}")
     for s in shapes:
         for r in bench_shape(s, fracs, args.repeats):
             verdict = "" if r["frac"] != 0.8 else ("  OK" if r["ratio"] <= TARGET else f"  ABOVE {TARGET} TARGET")
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
-                  f"{r['ratio']:>10.3f} {r['flops_ratio']:>11.3f}{verdict}")
+                  f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f}{verdict}")
     return 0
 
 

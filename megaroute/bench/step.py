@@ -63,6 +63,7 @@ from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
 from ..train.optim import GuardedAdamW, param_groups
 from . import gpt2
+from .noise import describe as describe_rounds
 
 TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
 SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's step)
@@ -276,14 +277,6 @@ def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows
     return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
-def _per_round(numerator: list[float], denominator: list[float]) -> str:
-    """Ratios of two variants' steps taken in the same round (CPU rounds step every variant once, so a
-    pair shares the machine's state): their median and interquartile range, the noise of the ratio."""
-    ratios = [a / b for a, b in zip(numerator, denominator)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return f"per round: median {statistics.median(ratios):.3f}, interquartile {q1:.3f}-{q3:.3f} of {len(ratios)}"
-
-
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
            peaks: list[float], peak_size: int = 2048, speedup_targets: bool = True) -> str:
     """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
@@ -314,7 +307,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
                 verdict = "" if target is None else f" (target >= {target}) {'HOLDS' if speedup >= target else 'MISSED'}"
                 lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {speedup:.3f}x faster{verdict}")
             if name in total:
-                lines.append(f"         reference / {name}, {_per_round(total[REFERENCE], total[name])}")
+                lines.append(f"         reference / {name}, {describe_rounds(total[REFERENCE], total[name])}")
     for name in ("dense", f"dense{COMPILED}"):
         for base in (BASELINE, f"{BASELINE}{COMPILED}"):
             if name not in total or base not in total:
@@ -324,7 +317,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
             verdict = f" (target <= {BASELINE_TARGET}) {'HOLDS' if ok else 'MISSED'}" if speedup_targets else ""
             lines.append(f"  {name} step / {base} step (nanoGPT's architecture, FLOPs ratio "
                          f"{flops[name] / flops[base]:.3f}): {ratios}{verdict}")
-            lines.append(f"         {name} / {base}, {_per_round(total[name], total[base])}")
+            lines.append(f"         {name} / {base}, {describe_rounds(total[name], total[base])}")
     if dense and "mod" in med:
         flops_ratio = flops["mod"] / flops["dense"]
         for stat in (statistics.median, min):
@@ -332,7 +325,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
             verdict = "HOLDS" if ratio <= TARGET * flops_ratio else "MISSED"
             lines.append(f"  {stat.__name__:<6} step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
                          f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
-        lines.append(f"         mod / dense, {_per_round(total['mod'], total['dense'])}")
+        lines.append(f"         mod / dense, {describe_rounds(total['mod'], total['dense'])}")
         # The optimizer step costs the same for both (same parameters) and is not in the FLOPs.
         fwd_bwd = {name: statistics.median(p["forward"] + p["backward"] for p in times[name]) for name in ("mod", "dense")}
         ratio = fwd_bwd["mod"] / fwd_bwd["dense"]

@@ -1,0 +1,22 @@
+"""The noise in a ratio of two interleaved timings: the benchmarks time their variants round by round
+(each round runs every variant once), so the ratio of two variants' times in the same round shares
+that round's machine state; the spread of those per-round ratios is what noise could make of it."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def per_round(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """Per-round ratios numerator[i] / denominator[i] -> (median, first quartile, third quartile)."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(ratios), q1, q3
+
+
+def describe(numerator: list[float], denominator: list[float]) -> str:
+    """'per round: median m, interquartile q1-q3 of n'."""
+    median, q1, q3 = per_round(numerator, denominator)
+    return f"per round: median {median:.3f}, interquartile {q1:.3f}-{q3:.3f} of {len(numerator)}"
