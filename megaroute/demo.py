@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -41,9 +42,16 @@ def _summary(cfg, run_name: str) -> dict:
     nan = float("nan")
     return {"run": run_name, "status": run.info.status, "loss": m.get(names.LOSS, nan),
             "exec_frac": m.get(names.EXEC_FRAC, nan), "loss_topk": m.get(names.TOPK_LOSS, nan),
-            "tokens_per_s": m.get("perf/tokens_per_s", 0.0),
+            "tokens_per_s": _run_median(client, run.info.run_id, "perf/tokens_per_s"),
             "flops_per_token": flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True),
-            "mfu": m.get("perf/mfu", float("nan")), "run_id": run.info.run_id}
+            "mfu": _run_median(client, run.info.run_id, "perf/mfu"), "run_id": run.info.run_id}
+
+
+def _run_median(client: MlflowClient, run_id: str, key: str) -> float:
+    """Median of a speed metric's logged values (each a SpeedMeter window of steps) after the first,
+    whose window holds the start-up steps: the run's typical speed, not its last window's."""
+    values = [h.value for h in sorted(client.get_metric_history(run_id, key), key=lambda h: h.step)]
+    return statistics.median(values[1:] or values) if values else float("nan")
 
 
 def _opt(value: float, fmt: str) -> str:
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{variant:<8} {r['loss']:>9.4f} {_opt(r['exec_frac'], '.3f'):>9} {_opt(r['loss_topk'], '.4f'):>11} "
               f"{r['tokens_per_s']:>10,.0f} {r['flops_per_token']:>12.3e} {100 * r['mfu']:>6.2f}%")
     print(f"\n{names.LOSS_LABEL}; exec frac: fraction of tokens through each routed block in that mode.\n"
-          "* top-k loss: routed as in training, by sequence-wide top-k, which sees future tokens; not comparable.")
+          "* top-k loss: routed as in training, by sequence-wide top-k, which sees future tokens; not comparable.\n"
+          "tokens/s, MFU: medians over the run's logged windows of steps, the first (start-up) left out.")
     dense, mod = rows[0][1], rows[1][1]
     print(f"\nMoD/dense: FLOPs per token x{mod['flops_per_token'] / dense['flops_per_token']:.3f}, "
           f"throughput x{mod['tokens_per_s'] / max(dense['tokens_per_s'], 1e-9):.3f}. "
