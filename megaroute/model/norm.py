@@ -23,7 +23,7 @@ class _RMSNormFunction(torch.autograd.Function):
     On CPU torch 2.13 runs rms_norm as a chain of elementwise ops whose autograd graph saves and
     replays each of them: forward + backward of [8, 256, 384] took 8.2 ms, here 2.3 ms (2 threads).
     Forward: one reduction (vector_norm, nothing written) and two passes; backward: the weight
-    gradient's row sum, a matrix-vector product for the per-row dot, and four passes.
+    gradient's row sum, a matrix-vector product for the per-row dot, and five elementwise passes.
     """
 
     @staticmethod
