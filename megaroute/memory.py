@@ -41,7 +41,11 @@ A routed block's terms come from its method's spec (MethodSpec.activations): a c
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
 delta of its k tokens (k x d, for the gate's gradient). The head keeps the final norm's two tensors
 (2d) plus the logits (returned to the caller, so alive until backward) and what the loss saves
-(vocab-parallel cross-entropy: an fp32 log-softmax; the chunked CPU loss: a logsumexp per row).
+(vocab-parallel cross-entropy: an fp32 log-softmax; the chunked loss on returned logits: a
+logsumexp per row). Training on CPU without TP (below ZeRO-3) runs the LM head inside the loss
+(model/lm_loss.py): no logits are kept, only the final norm's input, the hidden state's gradient
+(T x d) and the head weight's float32 gradient (once per forward, not per token), all computed in
+forward.
 With full activation checkpointing only each layer's input is kept, plus one layer's activations
 while it is recomputed. Allocator fragmentation (CUDA reserved vs allocated) is not modeled.
 """
@@ -61,6 +65,7 @@ from .config.schema import parse_size
 from .flops import estimate_flops
 from .model import build_model
 from .model.attention import EAGER_MAX_LEN
+from .model.lm_loss import CE_CHUNK_ELEMENTS
 from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD, MODE_INTEGRATED, MODE_STAGED, MOE,
                             RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
 from .model.routing.moe import expert_hidden
@@ -151,6 +156,7 @@ def activation_bytes(
     tp: int = 1,
     activation_checkpointing: bool = False,
     device: str = "cuda",
+    zero_stage: int = 0,
 ) -> int:
     """Bytes autograd keeps for backward for one micro-batch on one device (see module docstring)."""
     p = ACTIVATION_BYTES[precision]
@@ -166,6 +172,8 @@ def activation_bytes(
         body = model.n_layers * T * d * p + max(layers) * p
     else:
         body = sum(layers) * p
+    if _fused_head(device, tp, zero_stage):  # the final norm's input and the hidden state's gradient
+        return int(micro_batch * (body + 2 * T * d * p) + V * d * 4)  # + the head weight's gradient
     # norm; logits + what the loss keeps: the chunked CPU loss its per-row logsumexp, the
     # vocab-parallel one an fp32 log-softmax
     loss = T * 4 if _chunked_loss(device, tp) else T * V / tp * 4
@@ -174,8 +182,14 @@ def activation_bytes(
 
 
 def _chunked_loss(device: str, tp: int) -> bool:
-    """The model's loss on CPU without TP is chunked_cross_entropy (no whole fp32 log-softmax)."""
+    """The model's loss on CPU without TP is chunked (model/lm_loss.py: no whole fp32 log-softmax)."""
     return device == "cpu" and tp == 1
+
+
+def _fused_head(device: str, tp: int, zero_stage: int) -> bool:
+    """Training's forward (no logits returned) runs the LM head inside the chunked loss, except under
+    ZeRO-3, which gathers the head's weight only around the head's own forward."""
+    return _chunked_loss(device, tp) and zero_stage < 3
 
 
 # Resident bytes of a CPU rank apart from its model: Python + torch + megaroute + deepspeed imported
@@ -245,24 +259,39 @@ def per_rank_params(counts: dict[str, int], ep: int = 1) -> int:
 
 
 def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str = "fp32", tp: int = 1,
-                   device: str = "cuda") -> int:
+                   device: str = "cuda", zero_stage: int = 0) -> int:
     """Transient bytes at the start of backward beside the saved activations: the loss's gradient
     buffers. Vocab-parallel cross-entropy: the fp32 gradients of its log-softmax and of the logits,
-    two T x V/tp fp32 tensors alive together; the chunked CPU loss: one logits-sized gradient."""
+    two T x V/tp fp32 tensors alive together; the chunked CPU loss: one logits-sized gradient. The
+    LM head inside the loss (CPU training, `_fused_head`) needs none then: at the end of its forward,
+    16-bit, the one T x V buffer that holds the logits and then their gradient; float32, one chunk."""
     T, V = seq_len, model.vocab_size
+    if _fused_head(device, tp, zero_stage):
+        p = ACTIVATION_BYTES[precision]
+        return (micro_batch * T * V * p if p < 4 else 0) + _loss_chunk_bytes(micro_batch * T, V, p)
     if _chunked_loss(device, tp):
         return micro_batch * T * V * ACTIVATION_BYTES[precision]
     return 2 * micro_batch * T * V // tp * 4
 
 
+def _loss_chunk_bytes(rows: int, vocab: int, p: int) -> int:
+    """The chunked loss's reused buffers: a chunk of logits in the compute dtype and, 16-bit, its
+    float32 copy (CE_CHUNK_ELEMENTS logits a chunk)."""
+    return min(rows, max(1, CE_CHUNK_ELEMENTS // vocab)) * vocab * (p + (4 if p < 4 else 0))
+
+
 def eval_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int = 1,
-               device: str = "cuda") -> int:
+               device: str = "cuda", zero_stage: int = 0) -> int:
     """Peak of the no-grad evaluation forward: the logits (and the vocab-parallel loss's fp32
-    log-softmax), plus one block's widest intermediates (q|k|v and SwiGLU's gate|up)."""
+    log-softmax; the evaluation's forward returns no logits, so on CPU without TP below ZeRO-3
+    only the chunked loss's buffers), plus one block's widest intermediates (q|k|v and SwiGLU's gate|up)."""
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
+    block = micro_batch * T * (4 * d + (3 * d + 2 * f) / tp) * p
+    if _fused_head(device, tp, zero_stage):
+        return int(block + _loss_chunk_bytes(micro_batch * T, V, p))
     loss = 0 if _chunked_loss(device, tp) else 4
-    return int(micro_batch * (T * V / tp * (p + loss) + T * (4 * d + (3 * d + 2 * f) / tp) * p))
+    return int(micro_batch * T * V / tp * (p + loss) + block)
 
 
 def cpu_activation_bytes(model: ModelConfig, routing: RoutingConfig, seq_len: int, micro_batch: int, precision: str,
@@ -426,7 +455,8 @@ def estimate_memory(
     experts = {"expert_params": expert_params_per_gpu, "ep": ep}
     states, source = zero_model_state_bytes(params_per_gpu, zero_stage, dp, precision,
                                             offload_optimizer, offload_params, largest_layer_params, **experts)
-    acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing, device)
+    acts = activation_bytes(model, routing, seq_len, micro_batch, precision, tp, activation_checkpointing, device,
+                            zero_stage)
     if device == "cpu":
         acts += cpu_activation_bytes(model, routing, seq_len, micro_batch, precision, activation_checkpointing)
     buffers, buffers_source = deepspeed_buffer_bytes(params_per_gpu, zero_stage, dp, precision, device, local_ranks,
@@ -437,11 +467,11 @@ def estimate_memory(
         device=device, activation_checkpointing=activation_checkpointing,
         framework=(CPU_FRAMEWORK_BYTES if device == "cpu" else CUDA_CONTEXT_BYTES) if framework else 0,
         buffers=buffers, buffers_source=buffers_source,
-        backward=backward_bytes(model, seq_len, micro_batch, precision, tp, device),
+        backward=backward_bytes(model, seq_len, micro_batch, precision, tp, device, zero_stage),
         grad_probe=grad_probe_bytes(params_per_gpu, zero_stage),
         step_temporaries=step_temporary_bytes(params_per_gpu, largest_tensor_params or largest_layer_params,
                                               zero_stage, dp, device, offload_optimizer, **experts),
-        evaluation=eval_bytes(model, seq_len, micro_batch, precision, tp, device),
+        evaluation=eval_bytes(model, seq_len, micro_batch, precision, tp, device, zero_stage),
         ep=ep, expert_params_per_gpu=expert_params_per_gpu,
     )
 

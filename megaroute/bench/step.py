@@ -60,6 +60,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..config import ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
+from ..train.loop import TRAIN_FORWARD
 from ..model.routing import calibrate_thresholds
 from ..train.optim import GuardedAdamW, param_groups
 from . import gpt2
@@ -101,6 +102,8 @@ class Trainer:
     targets: torch.Tensor
     precision: str
     scaler: Optional[torch.amp.GradScaler] = field(default=None)  # fp16 on CUDA
+    # megaroute models: the training loop's forward (no logits returned: the LM head runs inside the loss)
+    forward_kwargs: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -117,7 +120,7 @@ class Trainer:
             return self._cuda_step()
         t0 = clock()
         with self.autocast():
-            loss = self.model(self.tokens, targets=self.targets).loss
+            loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
         t1 = clock()
         loss.backward()
         t2 = clock()
@@ -130,7 +133,7 @@ class Trainer:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         events[0].record()
         with self.autocast():
-            loss = self.model(self.tokens, targets=self.targets).loss
+            loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
         events[1].record()
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         events[2].record()
@@ -169,7 +172,7 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
     if compile:
         model.compile_blocks()  # the blocks keep the math set_fused chose
     optim = GuardedAdamW(param_groups(model, 0.1), lr=1e-4, **impl)
-    return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler)
+    return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler, {"options": TRAIN_FORWARD})
 
 
 def variant_trainer(name: str, shape: ModelConfig, routing: RoutingConfig, precision: str, batch: int,

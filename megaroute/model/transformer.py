@@ -9,7 +9,10 @@ vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
 `fused` (default True; `set_fused(False)` switches the whole model to the reference math, kept for
 tests/unit/model/test_fused.py and the benchmark's "reference" row): fused RoPE and CPU bf16
 attention (attention.py), SwiGLU's one-function backward (mlp.py), RMSNorm's on CPU (norm.py) and,
-on CPU without TP, the LM loss computed a chunk of rows at a time (`chunked_cross_entropy`).
+on CPU without TP, the LM loss computed a chunk of rows at a time (lm_loss.py): with
+`ForwardOptions(return_logits=False)` (the training loop's forward) the LM head runs inside the loss
+and the [B, T, V] logits never exist (`linear_cross_entropy`), otherwise on the returned logits
+(`chunked_cross_entropy`).
 
 `compile_blocks()` (`train.compile: true`) runs each block's dense math through torch.compile; the
 routing glue around it stays eager (see its docstring).
@@ -31,63 +34,12 @@ from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParalle
 from ..parallel.mappings import Group
 from .block import TransformerBlock
 from .cache import KVCache
+from .lm_loss import IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy  # noqa: F401 (IGNORE_INDEX: public)
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
 from .routing import DenseLayer, RoutingContext, build_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
-CE_CHUNK_ELEMENTS = 2**21  # logits per chunk: 8 MB in float32, so each chunk's temporaries stay in cache
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy [N] (float32) of logits [N, V] in any float dtype.
-
-    Same math as F.cross_entropy(logits.float(), reduction="none"), but rows are processed in
-    chunks: no float32 copy, log-softmax or one-hot gradient buffer of the whole [N, V] (each a fresh
-    page-faulted allocation per step on CPU); backward writes softmax - onehot once, in the logits' dtype.
-    16-bit logits are converted a chunk at a time into the one reused float32 buffer, never by a
-    mixed-dtype op: on CPU those cast their 16-bit input into a fresh temporary on every call (the
-    forward's loop took 23 ms that way, 9 ms this way, on bf16 logits at nanoGPT's shape).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets):
-        rows = max(1, CE_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
-        valid = targets != IGNORE_INDEX
-        safe = targets.masked_fill(~valid, 0)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        buf = torch.empty(min(rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
-        for s in range(0, logits.shape[0], rows):
-            chunk = logits[s:s + rows]
-            b = buf[:chunk.shape[0]]
-            if chunk.dtype != torch.float32:  # converted once, into the buffer (see above)
-                chunk = b.copy_(chunk)
-            peak = chunk.amax(dim=-1, keepdim=True)
-            torch.sub(chunk, peak, out=b).exp_()  # one float32 buffer reused by every chunk
-            torch.sum(b, dim=-1, out=lse[s:s + rows]).log_().add_(peak.squeeze(1))
-        target_logit = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
-        ctx.save_for_backward(logits, safe, valid, lse)
-        ctx.rows = rows
-        return (lse - target_logit).masked_fill_(~valid, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, safe, valid, lse = ctx.saved_tensors
-        g = grad.float().masked_fill(~valid, 0.0).unsqueeze(1)
-        out = torch.empty_like(logits)
-        # float32 logits: computed in place in the gradient; others: in one reused float32 buffer
-        buf = None if logits.dtype == torch.float32 else torch.empty(
-            min(ctx.rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
-        for s in range(0, logits.shape[0], ctx.rows):
-            e = s + ctx.rows
-            p = out[s:e] if buf is None else buf[:out[s:e].shape[0]]
-            chunk = logits[s:e] if buf is None else p.copy_(logits[s:e])
-            torch.sub(chunk, lse[s:e].unsqueeze(1), out=p).exp_().mul_(g[s:e])  # softmax * grad
-            p.scatter_add_(1, safe[s:e].unsqueeze(1), -g[s:e])
-            if buf is not None:
-                out[s:e].copy_(p)
-        return out, None
 
 
 def _compiled_update(compiled, block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,17 +51,10 @@ def _compiled_update(compiled, block: TransformerBlock, x: torch.Tensor, cos: to
     return compiled(block, x, cos, sin)
 
 
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits [..., V] against targets [...] (IGNORE_INDEX excluded), as
-    F.cross_entropy(logits.float()) computes it; see _ChunkedCrossEntropy."""
-    flat = targets.reshape(-1)
-    loss = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), flat)
-    return loss.sum() / (flat != IGNORE_INDEX).sum()
-
-
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    # [B, T, V] (this rank's vocabulary slice under TP); None with ForwardOptions(return_logits=False).
+    logits: Optional[torch.Tensor]
     # lm_loss + weighted auxiliary losses: what the trainer backpropagates.
     loss: Optional[torch.Tensor] = None
     lm_loss: Optional[torch.Tensor] = None
@@ -136,6 +81,8 @@ class ForwardOptions:
     overrides the RoPE positions [B, T]; `key_mask` ([B, T] bool, with a cache) marks padding
     (False): those tokens never become keys. `calibrate` (with mode "causal"): each routed layer's
     calibrated threshold observes this batch's scores before deciding (routing/calibration.py).
+    `return_logits=False`: `ModelOutput.logits` is None, and with targets the LM loss may run the
+    LM head itself without materializing the logits (CPU, no TP: lm_loss.linear_cross_entropy).
     """
 
     mode: str = "topk"
@@ -146,6 +93,7 @@ class ForwardOptions:
     cache: Optional[KVCache] = None
     positions: Optional[torch.Tensor] = None
     key_mask: Optional[torch.Tensor] = None
+    return_logits: bool = True
 
 
 class Transformer(nn.Module):
@@ -246,7 +194,15 @@ class Transformer(nn.Module):
             x = layer(x, pos if cache is None else pos.with_kv(cache.layers[i]), ctx, f"layer_{i}")
         if cache is not None:
             cache.seen = start + T
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
+        local = self.fused and h.device.type == "cpu" and tp_size(self.tp_group) == 1
+        # The head inside the loss unless someone reads the logits (the caller, or a routed layer's
+        # deferred use of them), and not under ZeRO-3, which gathers a partitioned weight (`ds_id`)
+        # only around its own module's forward.
+        fused_head = (local and targets is not None and not o.return_logits and not ctx.deferred
+                      and self.lm_head.bias is None and not hasattr(self.lm_head.weight, "ds_id"))
+        wanted = o.return_logits or bool(ctx.deferred) or (targets is not None and not fused_head)
+        logits = self.lm_head(h) if wanted else None
         if ctx.deferred:
             full_logits = self.gather_logits(logits)
             for fn in ctx.deferred:
@@ -257,10 +213,12 @@ class Transformer(nn.Module):
             executed = sum(ctx.exec_frac.values()) + (len(self.layers) - len(ctx.exec_frac))
             ctx.add_stat("tlops_frac", executed / len(self.layers))
 
-        out = ModelOutput(logits=logits, aux_losses=ctx.aux_losses, routing_stats=ctx.stats, decisions=ctx.decisions,
-                          executed=ctx.executed)
+        out = ModelOutput(logits=logits if o.return_logits else None, aux_losses=ctx.aux_losses,
+                          routing_stats=ctx.stats, decisions=ctx.decisions, executed=ctx.executed)
         if targets is not None:
-            if self.fused and logits.device.type == "cpu" and tp_size(self.tp_group) == 1:
+            if fused_head:
+                out.lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets)
+            elif local:
                 out.lm_loss = chunked_cross_entropy(logits, targets)
             else:
                 out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)

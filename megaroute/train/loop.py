@@ -15,6 +15,10 @@ from ..model import ForwardOptions
 from ..model.routing import calibrate_thresholds
 from ..parallel import collectives
 
+# Training's forward: the loss is all it reads, so the model need not return the logits (on CPU
+# without TP the LM head then runs inside the loss: model/lm_loss.py).
+TRAIN_FORWARD = ForwardOptions(return_logits=False)
+
 
 @dataclass
 class TrainState:
@@ -100,7 +104,7 @@ class Trainer:
         probe_now = self.grad_probe is not None and (step % self.probe_interval == 0 or step in (1, self.total_steps))
         for micro in range(self.accumulation):
             inputs, targets = next(self.batches)
-            out = self.engine(inputs.to(device), targets.to(device))
+            out = self.engine(inputs.to(device), targets.to(device), options=TRAIN_FORWARD)
             bad |= ~torch.isfinite(out.loss.detach())
             values = {"lm_loss": out.lm_loss, **{f"aux/{k}": v for k, v in out.aux_losses.items()},
                       **{f"routing/{k}": v for k, v in out.routing_stats.items()}}
@@ -198,7 +202,7 @@ class Evaluator:
             # Sums stay on the device; one collective (on the engine's device) and one host copy per mode.
             sums: dict[str, torch.Tensor] = {}
             for x, y in self._batches(self.val_set):
-                result = engine(x, y, options=ForwardOptions(mode=mode))
+                result = engine(x, y, options=ForwardOptions(mode=mode, return_logits=False))
                 values = {"loss": result.lm_loss, "tlops_frac": result.routing_stats.get("tlops_frac"),
                           **{f"exec_frac/{layer}": v for layer, v in result.executed.items()}}
                 if result.executed:

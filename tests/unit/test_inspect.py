@@ -15,6 +15,7 @@ from megaroute.flops import COMPONENTS, config_flops, estimate_flops
 from megaroute.inspect import param_counts
 from megaroute.memory import activation_bytes, cpu_activation_bytes, zero_model_state_bytes
 from megaroute.model import build_model
+from megaroute.train.loop import TRAIN_FORWARD
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 NAMED_SIZES = {"157m": 157e6, "350m": 350e6, "760m": 760e6, "1b": 1e9}
@@ -126,7 +127,8 @@ def test_model_state_accounting_matches_deepspeed():
 
 
 def _saved_activation_bytes(model, tokens) -> int:
-    """Bytes of distinct non-parameter storages autograd saves in forward, plus the logits."""
+    """Bytes of distinct non-parameter storages training's forward keeps for backward: what autograd
+    saves, plus the gradients the LM head inside the loss (model/lm_loss.py) computes in forward."""
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
@@ -137,8 +139,10 @@ def _saved_activation_bytes(model, tokens) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, targets=tokens)
-    saved[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
+        out = model(tokens, targets=tokens, options=TRAIN_FORWARD)
+    assert out.logits is None
+    for t in out.lm_loss.grad_fn.grads:  # held by the loss's backward node until backward
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(saved.values())
 
 

@@ -1,6 +1,6 @@
 """The fused paths (fused RoPE, eager and as traced by torch.compile, CPU bf16 attention, chunked
-cross-entropy, CPU RMSNorm, SwiGLU) against the reference math that `Transformer.set_fused(False)` selects: forward values
-and gradients."""
+cross-entropy, the LM head fused into the loss, CPU RMSNorm, SwiGLU) against the reference math that
+`Transformer.set_fused(False)` selects: forward values and gradients."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.model import transformer as transformer_mod
+from megaroute.model import ForwardOptions
+from megaroute.model import lm_loss
 from megaroute.model.attention import causal_attention
 from megaroute.model.mlp import SwiGLU
 from megaroute.model.norm import RMSNorm
 from megaroute.model.rope import apply_rotary, split_qkv_rotary
-from megaroute.model.transformer import IGNORE_INDEX, chunked_cross_entropy
+from megaroute.model.lm_loss import IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy
 
 
 def _tables(B: int, T: int, half: int):
@@ -64,9 +65,87 @@ def test_cpu_bf16_causal_attention_matches_sdpa(T):
     assert torch.equal(causal_attention(q, k, v), ref)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])  # 1/4: the scale on q is exact; 1/sqrt(24): it rounds q
+def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(head_dim):
+    """The written-out backward (no masking or scale pass over the scores) against autograd through
+    the same bf16 ops with the scale on the scores, as the traced path had it."""
+    q, k, v = (torch.randn(2, 3, 9, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 3, 9, head_dim, dtype=torch.bfloat16)
+    out = causal_attention(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    future = torch.ones(9, 9, dtype=torch.bool).triu_(1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * head_dim ** -0.5
+    ref = torch.matmul(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    tol = 1e-2 if head_dim == 16 else 3e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype,autocast,tol", [(torch.float32, False, 1e-6), (torch.float64, False, 1e-12),
+                                                (torch.float32, True, 1e-2), (torch.bfloat16, False, 1e-2)])
+def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol):
+    """The LM head inside the loss against F.linear then F.cross_entropy on float32 (float64) copies
+    of the logits, over several chunks, with ignored targets: loss, grad_h, grad_weight, their
+    dtypes, and the incoming gradient's scale (a loss scaled by 3)."""
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 3 * 11)  # 3 rows a chunk: several chunks, a partial last one
+    h = torch.randn(2, 5, 6, dtype=dtype, requires_grad=True)
+    weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, 1] = targets[1, 4] = IGNORE_INDEX
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(h, weight, targets)
+        logits = torch.nn.functional.linear(h, weight)
+    grads = torch.autograd.grad(3 * loss, (h, weight))
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    ref = F.cross_entropy(logits.to(wide).view(-1, 11), targets.view(-1))
+    ref_grads = torch.autograd.grad(3 * ref, (h, weight))
+    assert loss.dtype == ref.dtype and [g.dtype for g in grads] == [dtype, dtype]
+    torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+    assert grads[0][0, 1].abs().sum() == 0  # ignored targets get no gradient
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the loss alone
+        torch.testing.assert_close(linear_cross_entropy(h, weight, targets), loss.detach(), rtol=tol, atol=tol)
+
+
+def test_linear_cross_entropy_backward_twice_is_refused():
+    h, weight = torch.randn(4, 3, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    loss = linear_cross_entropy(h, weight, torch.tensor([0, 1, 2, 3]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.tie_embeddings=false",), ("routing.method=mod", "routing.capacity=0.5")])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_model_without_logits_matches_model_with_them(make_model, overrides, autocast):
+    """return_logits=False (the training loop's forward: the LM head inside the loss on CPU) gives
+    the loss and every gradient the returned-logits forward gives, and no logits."""
+    model, cfg = make_model(*overrides)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g) for _ in range(2))
+    results = []
+    for options in (ForwardOptions(), ForwardOptions(return_logits=False)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(tokens, targets, options=options)
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in model.named_parameters()}))
+    (with_logits, grads), (without, fused_grads) = results
+    assert with_logits.logits.shape == (2, 16, cfg.model.vocab_size) and without.logits is None
+    tol = 1e-2 if autocast else 1e-5
+    torch.testing.assert_close(without.loss, with_logits.loss, rtol=tol, atol=tol)
+    for name, grad in grads.items():
+        scale = grad.abs().max().item() + 1e-12
+        assert (fused_grads[name] - grad).abs().max().item() / scale < tol, name
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-5)])
 def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tol):
-    monkeypatch.setattr(transformer_mod, "CE_CHUNK_ELEMENTS", 3 * 11)  # 3 rows a chunk: several chunks
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 3 * 11)  # 3 rows a chunk: several chunks
     logits = (3 * torch.randn(2, 5, 11)).to(dtype).requires_grad_()
     targets = torch.randint(0, 11, (2, 5))
     targets[0, 1] = targets[1, 4] = IGNORE_INDEX

@@ -29,8 +29,8 @@ class _LocalEngine:
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 
-    def __call__(self, x, y):
-        return self.model(x, y)
+    def __call__(self, x, y, options):
+        return self.model(x, y, options=options)
 
     def backward(self, loss):
         loss.backward()

@@ -1,0 +1,177 @@
+"""The LM loss on CPU without tensor parallelism, a chunk of rows at a time.
+
+    chunked_cross_entropy(logits, targets)           mean CE of materialized logits [..., V]
+    linear_cross_entropy(h, weight, targets)         mean CE of h @ weight^T, the [N, V] logits never whole
+
+Both compute what F.cross_entropy(logits.float(), targets) computes (IGNORE_INDEX rows excluded
+from the sum and the count). The fused one (`ForwardOptions(return_logits=False)`, the training
+loop's and the step benchmark's forward) runs the LM head itself: per chunk of rows, the head's
+matmul into one reused buffer, the softmax, the per-token loss and, when a gradient is wanted, the
+gradient of the chunk's logits and its two backward matmuls, so backward only scales the
+gradients by the loss's incoming scalar. No [N, V] tensor is allocated: the logits, their float32
+copy and their gradient were three fresh, page-faulted allocations per step (64 MB each in float32
+at nanoGPT's shape), and the head's forward matmul ran at a third of its speed writing into one.
+tests/unit/model/test_fused.py holds both to F.linear + F.cross_entropy (values and gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
+CE_CHUNK_ELEMENTS = 2**21  # logits per chunk: 8 MB in float32, so each chunk's temporaries stay in cache
+
+
+def _chunk_rows(n: int, vocab: int) -> int:
+    return max(1, min(n, CE_CHUNK_ELEMENTS // max(1, vocab)))
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy [N] (float32) of logits [N, V] in any float dtype.
+
+    Same math as F.cross_entropy(logits.float(), reduction="none"), but rows are processed in
+    chunks: no float32 copy, log-softmax or one-hot gradient buffer of the whole [N, V] (each a fresh
+    page-faulted allocation per step on CPU); backward writes softmax - onehot once, in the logits' dtype.
+    16-bit logits are converted a chunk at a time into the one reused float32 buffer, never by a
+    mixed-dtype op: on CPU those cast their 16-bit input into a fresh temporary on every call (the
+    forward's loop took 23 ms that way, 9 ms this way, on bf16 logits at nanoGPT's shape).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        rows = _chunk_rows(logits.shape[0], logits.shape[-1])
+        valid = targets != IGNORE_INDEX
+        safe = targets.masked_fill(~valid, 0)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        buf = torch.empty(rows, logits.shape[-1], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], rows):
+            chunk = logits[s:s + rows]
+            b = buf[:chunk.shape[0]]
+            if chunk.dtype != torch.float32:  # converted once, into the buffer (see above)
+                chunk = b.copy_(chunk)
+            peak = chunk.amax(dim=-1, keepdim=True)
+            torch.sub(chunk, peak, out=b).exp_()  # one float32 buffer reused by every chunk
+            torch.sum(b, dim=-1, out=lse[s:s + rows]).log_().add_(peak.squeeze(1))
+        target_logit = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.rows = rows
+        return (lse - target_logit).masked_fill_(~valid, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, safe, valid, lse = ctx.saved_tensors
+        g = grad.float().masked_fill(~valid, 0.0).unsqueeze(1)
+        out = torch.empty_like(logits)
+        # float32 logits: computed in place in the gradient; others: in one reused float32 buffer
+        buf = None if logits.dtype == torch.float32 else torch.empty(
+            min(ctx.rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], ctx.rows):
+            e = s + ctx.rows
+            p = out[s:e] if buf is None else buf[:out[s:e].shape[0]]
+            chunk = logits[s:e] if buf is None else p.copy_(logits[s:e])
+            torch.sub(chunk, lse[s:e].unsqueeze(1), out=p).exp_().mul_(g[s:e])  # softmax * grad
+            p.scatter_add_(1, safe[s:e].unsqueeze(1), -g[s:e])
+            if buf is not None:
+                out[s:e].copy_(p)
+        return out, None
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [..., V] against targets [...] (IGNORE_INDEX excluded), as
+    F.cross_entropy(logits.float()) computes it; see _ChunkedCrossEntropy."""
+    flat = targets.reshape(-1)
+    loss = _ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), flat)
+    return loss.sum() / (flat != IGNORE_INDEX).sum()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy (float32, or float64 for float64 math) of logits = h @ weight^T against
+    targets (IGNORE_INDEX rows excluded), computed in `dtype` (autocast's, else h's), without the
+    [N, V] logits.
+
+    Forward, per chunk of rows: logits into one reused buffer, their float32 copy (16-bit logits)
+    or themselves (float32) turned in place into exp(logit - row max), the row's logsumexp and loss
+    (logsumexp - target logit, the target logit read from the logits in `dtype`, as F.cross_entropy
+    on them reads it). When h or weight needs a gradient: the same buffer becomes the gradient of the
+    mean loss, (softmax - onehot) / count (zero for ignored rows), rounded once to `dtype`, and the head's
+    backward matmuls run on it: grad_h rows = g @ weight, grad_weight += g^T @ h rows (float32
+    accumulator; 16-bit partials are rounded per chunk where autograd's single matmul rounds once).
+    Backward multiplies both by the incoming scalar gradient (a scalar loss, so one number scales
+    them all; usually 1, then they are handed over as they are).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, dtype):
+        ctx.grads = None
+        with torch.autocast(h.device.type, enabled=False):
+            N, V = h.shape[0], weight.shape[0]
+            rows = _chunk_rows(N, V)
+            wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            hc, wc = h.to(dtype), weight.to(dtype)
+            valid = targets != IGNORE_INDEX
+            safe = targets.masked_fill(~valid, 0).unsqueeze(1)
+            count = valid.sum()
+            # each row's weight in the mean: 1 / count for counted rows, 0 for ignored ones
+            keep = (valid / count.clamp(min=1)).to(_math_dtype(dtype)).unsqueeze(1)
+            # 16-bit with a gradient: the head's three matmuls whole, on one [N, V] buffer that holds the
+            # logits, then their gradient; otherwise a chunk's logits at a time in one reused buffer
+            whole = wants_grad and dtype != _math_dtype(dtype)
+            logits = torch.mm(hc, wc.t()) if whole else torch.empty(rows, V, dtype=dtype, device=h.device)
+            work = logits if dtype == _math_dtype(dtype) else torch.empty(rows, V, dtype=torch.float32, device=h.device)
+            losses = torch.empty(N, dtype=_math_dtype(dtype), device=h.device)
+            if wants_grad and not whole:
+                grad_h = torch.empty(N, h.shape[1], dtype=dtype, device=h.device)
+                grad_w = torch.zeros(V, h.shape[1], dtype=_math_dtype(weight.dtype), device=h.device)
+            for s in range(0, N, rows):
+                e = min(N, s + rows)
+                p, hs = work[:e - s], hc[s:e]
+                if whole:
+                    lg = logits[s:e]
+                else:
+                    lg = torch.mm(hs, wc.t(), out=logits[:e - s])
+                target_logit = lg.gather(1, safe[s:e]).to(p.dtype)
+                if p is not lg:
+                    p.copy_(lg)
+                peak = p.amax(dim=-1, keepdim=True)
+                total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
+                torch.sub(total.log().add_(peak), target_logit, out=losses[s:e].unsqueeze(1))
+                if not wants_grad:
+                    continue
+                p.mul_(keep[s:e] / total).scatter_add_(1, safe[s:e], -keep[s:e])  # (softmax - onehot) / count
+                if whole:
+                    lg.copy_(p)  # the logits' rows become their gradient
+                else:
+                    torch.mm(p, wc, out=grad_h[s:e])
+                    grad_w.addmm_(p.t(), hs)
+            if whole:
+                grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
+                del logits
+            if wants_grad:
+                ctx.grads = (grad_h, grad_w)
+            ctx.dtypes = (h.dtype, weight.dtype)
+            return losses.masked_fill_(~valid, 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy: backward ran twice (retain_graph); its gradients are "
+                               "computed once, in forward, and handed over in the first backward")
+        (grad_h, grad_w), ctx.grads = ctx.grads, None  # handed over: autograd may adopt grad_w as .grad
+        if grad.item() != 1.0:  # CPU only: no device sync; the common case returns them unscaled
+            grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits h @ weight^T (h [..., D], weight [V, D], no bias) against
+    targets [...] (IGNORE_INDEX excluded), in the dtype F.linear would use here (autocast's lower
+    precision, else h's), without materializing the logits; see _LinearCrossEntropy."""
+    flat = targets.reshape(-1)
+    dtype = h.dtype
+    if torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        dtype = torch.get_autocast_dtype(h.device.type)
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype)
