@@ -7,7 +7,7 @@ with each layer's decision replaced by a random mask executing f of the batch's 
 fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
 the batch, "spread" masks give the sequences different fractions around f (see random_masks).
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
-torch thread, this thread's CPU time, dense and hard interleaved in one process), their ratio, the
+torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its own shuffled order), their ratio, the
 interquartile range of the per-round ratios (bench/noise.py), and the FLOPs ratio of the two
 forwards (FlopCounterMode; the gates, the embedding and the LM head run on every token). Target
 (issue 19): ratio <= 0.88 at f = 0.8.
@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import load_config
 from ..model import ForwardOptions, build_model
-from .noise import per_round
+from .noise import per_round, round_order
 
 SHAPES = {
     # nanoGPT's comparison shape (issue 19): 6 layers, d 384, 6 heads, T 256, batch 8, vocab 8192
@@ -94,11 +94,11 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
         dense()
         for fn in runs.values():
             fn()
-    times: dict = {"dense": [], **{c: [] for c in cases}}
-    for _ in range(repeats):  # interleaved: machine load drifts over all variants alike
-        times["dense"].append(_cpu_time(dense))
-        for c, fn in runs.items():
-            times[c].append(_cpu_time(fn))
+    fns = {"dense": dense, **runs}
+    times: dict = {name: [] for name in fns}
+    for r in range(repeats):  # interleaved: machine load drifts over all variants alike
+        for name in round_order(list(fns), r):
+            times[name].append(_cpu_time(fns[name]))
     dense_s, dense_flops = statistics.median(times["dense"]), _flops(dense)
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),

@@ -2,10 +2,12 @@
 
     python -m megaroute.bench.engine [--steps 20] [--models tiny,384] [--threads 1]
 
-Both loops do forward, backward, gradient clipping and an AdamW step on the same batches; their
-steps are interleaved (plain, engine, plain, ...) so load on a shared machine hits both alike.
-Reported per step: the process's CPU time (all its threads) and wall time, medians. Also reports
-what MLflow logging costs the loop: the enqueue time per step next to the step.
+Both loops do the training loop's forward (no logits returned), backward, gradient clipping and an
+AdamW step on the same batches; their steps are interleaved (each round in its own shuffled order,
+noise.round_order) so load on a shared machine hits both alike. Reported per
+step: the process's CPU time (all its threads) and wall time, medians, and the engine/plain ratio
+per round (median and interquartile range: what the noise could make of it). Also reports what
+MLflow logging costs the loop: the enqueue time per step next to the step.
 Target: engine overhead under 5% (CPU time), logging under 5%.
 """
 
@@ -21,11 +23,13 @@ import torch
 
 from ..config import load_config
 from ..model import build_model
+from ..train.loop import TRAIN_FORWARD
 from ..train import engine as ds
 from ..train.engine import init_distributed
 from ..train.env import detect_env, release
 from ..train.optim import GuardedAdamW, param_groups
 from ..train.tracking import MLflowTracker
+from .noise import describe, round_order
 
 SHAPES = {
     "tiny": ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "model.max_seq_len=128",
@@ -35,17 +39,17 @@ SHAPES = {
 }
 
 
-def _interleaved(step_fns: dict, batches, warmup: int) -> dict[str, tuple[float, float]]:
-    """name -> (median process CPU s, median wall s) per step, the variants stepped in turn."""
+def _interleaved(step_fns: dict, batches, warmup: int) -> dict[str, tuple[list, list]]:
+    """name -> (process CPU s, wall s) of each timed step, the variants stepped in turn."""
     times: dict[str, tuple[list, list]] = {name: ([], []) for name in step_fns}
     for i, (x, y) in enumerate(batches):
-        for name, step_fn in step_fns.items():
+        for name in round_order(list(step_fns), i):
             c0, w0 = time.process_time(), time.perf_counter()
-            step_fn(x, y)
+            step_fns[name](x, y)
             if i >= warmup:
                 times[name][0].append(time.process_time() - c0)
                 times[name][1].append(time.perf_counter() - w0)
-    return {name: (statistics.median(cpu), statistics.median(wall)) for name, (cpu, wall) in times.items()}
+    return times
 
 
 def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
@@ -60,7 +64,7 @@ def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
     opt = GuardedAdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
 
     def plain_step(x, y):
-        model(x, y).loss.backward()
+        model(x, y, options=TRAIN_FORWARD).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -69,14 +73,16 @@ def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
     engine, _, _ = ds.initialize(build_model(cfg.model, cfg.routing), cfg, ds.deepspeed_config(cfg, 1), steps)
 
     def engine_step(x, y):
-        engine.backward(engine(x, y).loss)
+        engine.backward(engine(x, y, options=TRAIN_FORWARD).loss)
         engine.step()
 
     t = _interleaved({"plain": plain_step, "engine": engine_step}, batches, warmup)
     (plain_cpu, plain_wall), (engine_cpu, engine_wall) = t["plain"], t["engine"]
-    return {"shape": shape, "tokens": batch * cfg.data.seq_len, "plain_s": plain_cpu, "engine_s": engine_cpu,
-            "overhead": engine_cpu / plain_cpu - 1.0, "plain_wall_s": plain_wall, "engine_wall_s": engine_wall,
-            "wall_overhead": engine_wall / plain_wall - 1.0}
+    med = statistics.median
+    return {"shape": shape, "tokens": batch * cfg.data.seq_len, "plain_s": med(plain_cpu), "engine_s": med(engine_cpu),
+            "overhead": med(engine_cpu) / med(plain_cpu) - 1.0, "plain_wall_s": med(plain_wall),
+            "engine_wall_s": med(engine_wall), "wall_overhead": med(engine_wall) / med(plain_wall) - 1.0,
+            "rounds": describe(engine_cpu, plain_cpu), "wall_rounds": describe(engine_wall, plain_wall)}
 
 
 def bench_logging(step_s: float, calls: int = 200) -> dict:
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * r['overhead']:>8.1f}%   {r['plain_wall_s'] * 1e3:>8.1f}ms "
                   f"{r['engine_wall_s'] * 1e3:>9.1f}ms "
                   f"{100 * r['wall_overhead']:>8.1f}%  {'OK' if r['overhead'] < 0.05 else 'ABOVE 5% TARGET'}")
+            print(f"       engine / plain, CPU {r['rounds']}; wall {r['wall_rounds']}")
         log = bench_logging(rows[0]["engine_wall_s"])  # both wall clock
         print(f"MLflow logging: {log['log_s'] * 1e6:.0f} us per step = {100 * log['fraction']:.2f}% of the "
               f"{rows[0]['shape']} step ({'OK' if log['fraction'] < 0.05 else 'ABOVE 5% TARGET'})")

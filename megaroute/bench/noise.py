@@ -1,10 +1,20 @@
 """The noise in a ratio of two interleaved timings: the benchmarks time their variants round by round
-(each round runs every variant once), so the ratio of two variants' times in the same round shares
-that round's machine state; the spread of those per-round ratios is what noise could make of it."""
+(each round runs every variant once, in `round_order`), so the ratio of two variants' times in the
+same round shares that round's machine state; the spread of those per-round ratios is what noise
+could make of it."""
 
 from __future__ import annotations
 
+import random
 import statistics
+
+
+def round_order(names: list, r: int) -> list:
+    """The order of round r: a shuffle of `names` seeded by r (the same every run), so that no variant
+    always runs right after the same other one. A CPU step's time depends on what the previous step
+    left behind (memory it freed that the allocator returned to the OS is faulted in again), and a
+    fixed or rotated order keeps each variant's predecessor the same round after round."""
+    return random.Random(r).sample(names, len(names))
 
 
 def per_round(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:

@@ -29,7 +29,7 @@ twin of each variant (but reference), its blocks compiled (`Transformer.compile_
 with the rest; compilation happens in the warmup steps, so it is not timed.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
-variants' steps are interleaved round by round so machine noise hits all alike. Each comparison
+variants' steps are interleaved round by round (each round in its own shuffled order) so machine noise hits all alike. Each comparison
 also prints its ratio per round (the two variants' steps of one round side by side): the median and
 interquartile range of those ratios say how much of a difference the noise could make. On a shared
 machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
@@ -64,7 +64,7 @@ from ..train.loop import TRAIN_FORWARD
 from ..model.routing import calibrate_thresholds
 from ..train.optim import GuardedAdamW, param_groups
 from . import gpt2
-from .noise import describe as describe_rounds
+from .noise import describe as describe_rounds, round_order
 
 TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
 SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's step)
@@ -256,8 +256,8 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     dtype = AMP_DTYPES.get(precision, torch.float32)
     peaks = []
     for i in range(warmup + steps):
-        for name, trainer in trainers.items():
-            phases = trainer.step(clock)
+        for name in round_order(list(trainers), i):
+            phases = trainers[name].step(clock)
             if i >= warmup:
                 times[name].append(phases)
         if i >= warmup:
