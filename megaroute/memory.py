@@ -64,7 +64,7 @@ from .config import Config, ConfigError, ModelConfig, RoutingConfig
 from .config.schema import parse_size
 from .flops import estimate_flops
 from .model import build_model
-from .model.attention import EAGER_MAX_LEN
+from .model.attention import EAGER_MAX_LEN, saved_probability_elements
 from .model.lm_loss import CE_CHUNK_ELEMENTS
 from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD, MODE_INTEGRATED, MODE_STAGED, MOE,
                             RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
@@ -298,12 +298,14 @@ def cpu_activation_bytes(model: ModelConfig, routing: RoutingConfig, seq_len: in
                          activation_checkpointing: bool = False) -> int:
     """What CPU training saves beyond activation_bytes (counted with saved-tensor hooks in
     tests/unit/test_inspect.py, torch 2.13): bf16 attention up to EAGER_MAX_LEN tokens runs as
-    explicit matmuls that keep the softmax probabilities (heads x n x n, bf16) of each block. With
+    explicit matmuls that keep the softmax probabilities (heads x n x n, bf16, less the scores above
+    the diagonal query blocks: attention.saved_probability_elements) of each block. With
     checkpointing only the block being recomputed keeps them."""
     if precision != "bf16" or seq_len > EAGER_MAX_LEN:
         return 0
     p = ACTIVATION_BYTES[precision]
-    scores = [model.n_heads * n * n * p for n in estimate_flops(model, routing, seq_len).tokens_per_layer]
+    scores = [model.n_heads * saved_probability_elements(n) * p
+              for n in estimate_flops(model, routing, seq_len).tokens_per_layer]
     return micro_batch * (max(scores) if activation_checkpointing else sum(scores))
 
 

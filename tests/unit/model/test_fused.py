@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from megaroute.model import ForwardOptions
 from megaroute.model import lm_loss
+from megaroute.model import attention as attention_mod
 from megaroute.model.attention import causal_attention
 from megaroute.model.mlp import SwiGLU
 from megaroute.model.norm import RMSNorm
@@ -65,10 +66,12 @@ def test_cpu_bf16_causal_attention_matches_sdpa(T):
     assert torch.equal(causal_attention(q, k, v), ref)
 
 
+@pytest.mark.parametrize("block", [2, 64])  # several query blocks (T >= 4 blocks), the last one partial; one block
 @pytest.mark.parametrize("head_dim", [16, 24])  # 1/4: the scale on q is exact; 1/sqrt(24): it rounds q
-def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(head_dim):
-    """The written-out backward (no masking or scale pass over the scores) against autograd through
-    the same bf16 ops with the scale on the scores, as the traced path had it."""
+def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, head_dim, block):
+    """Query blocks and the written-out backward (no masking or scale pass over the scores) against
+    autograd through the same bf16 ops on the whole T x T scores with the scale on them."""
+    monkeypatch.setattr(attention_mod, "QUERY_BLOCK", block)
     q, k, v = (torch.randn(2, 3, 9, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn(2, 3, 9, head_dim, dtype=torch.bfloat16)
     out = causal_attention(q, k, v)
