@@ -16,7 +16,9 @@ with the same clock between the rounds of steps).
 Variants (CPU default: all of them): `reference` is today's dense step kept for comparison - the
 reference math (`Transformer.set_fused(False)`: float32 RoPE via chunk/cat, torch's SDPA kernel,
 F.cross_entropy on a float32 copy of the logits) and torch's default (for-loop) AdamW; `dense` is
-the optimised step (fused RoPE, CPU bf16 attention as matmuls, chunked cross-entropy, fused AdamW);
+the optimised step (fused RoPE, CPU bf16 attention as one function over blocked matmuls, fused
+RMSNorm and SwiGLU, the LM head inside a chunked loss, fused AdamW), with the training loop's
+forward (no logits returned, train.loop.TRAIN_FORWARD), as every megaroute variant here;
 `gpt2` is an independent baseline, not megaroute code: nanoGPT's architecture (LayerNorm, GELU
 MLP, learned positions, tied head, SDPA, torch's AdamW; megaroute/bench/gpt2.py) at the same shape,
 the same FLOPs by FlopCounterMode; `mod` (capacity 0.125), the capacity baselines `random` /
