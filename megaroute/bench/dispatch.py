@@ -7,8 +7,9 @@ with each layer's decision replaced by a random mask executing f of the batch's 
 fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
 the batch, "spread" masks give the sequences different fractions around f (see random_masks).
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
-torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its own shuffled order), their ratio, the
-interquartile range of the per-round ratios (bench/noise.py), and the FLOPs ratio of the two
+torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its
+own shuffled order), their ratio, the interquartile range of the per-round ratios
+(bench/noise.py), and the FLOPs ratio of the two
 forwards (FlopCounterMode; the gates, the embedding and the LM head run on every token). Target
 (issue 19): ratio <= 0.88 at f = 0.8.
 """

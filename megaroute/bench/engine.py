@@ -23,10 +23,10 @@ import torch
 
 from ..config import load_config
 from ..model import build_model
-from ..train.loop import TRAIN_FORWARD
 from ..train import engine as ds
 from ..train.engine import init_distributed
 from ..train.env import detect_env, release
+from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from ..train.tracking import MLflowTracker
 from .noise import describe, round_order

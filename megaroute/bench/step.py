@@ -31,8 +31,8 @@ twin of each variant (but reference), its blocks compiled (`Transformer.compile_
 with the rest; compilation happens in the warmup steps, so it is not timed.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
-variants' steps are interleaved round by round (each round in its own shuffled order) so machine noise hits all alike. Each comparison
-also prints its ratio per round (the two variants' steps of one round side by side): the median and
+variants' steps are interleaved round by round (each round in its own shuffled order) so machine
+noise hits all alike. Each comparison also prints its ratio per round (the two variants' steps of one round side by side): the median and
 interquartile range of those ratios say how much of a difference the noise could make. On a shared
 machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
 thread's CPU time instead, which other processes barely disturb.
@@ -62,8 +62,8 @@ from torch.profiler import ProfilerActivity, profile
 from ..config import ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
-from ..train.loop import TRAIN_FORWARD
 from ..model.routing import calibrate_thresholds
+from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from . import gpt2
 from .noise import describe as describe_rounds, round_order

@@ -50,11 +50,11 @@ class _CausalAttention(torch.autograd.Function):
 
     From 4 x QUERY_BLOCK tokens, queries go in blocks of QUERY_BLOCK rows, each against the keys up to
     its own last row, so the scores above the diagonal blocks are never computed (at T 256, 62.5% of
-    the T x T work is); only the diagonal block is masked. The scale goes on q before the scores (on T x Dh, not T x T,
-    elements; exact for power-of-two scales such as Dh 64's 1/8), the softmax accumulates in float32
-    and is saved in q's dtype (scores rounded like eager HF attention's), and backward is written
-    out: softmax's own backward already gives masked scores a zero gradient (their probability is
-    0), so no backward pass of the masking or of the scale runs over the scores.
+    the T x T work is); only the diagonal block is masked. The scale goes on q before the scores (on
+    T x Dh, not T x T, elements; exact for power-of-two scales such as Dh 64's 1/8), the softmax
+    accumulates in float32 and is saved in q's dtype (scores rounded like eager HF attention's), and
+    backward is written out: softmax's own backward already gives masked scores a zero gradient
+    (their probability is 0), so no backward pass of the masking or of the scale runs over the scores.
     """
 
     @staticmethod

@@ -1,16 +1,16 @@
 """The LM loss on CPU without tensor parallelism, a chunk of rows at a time.
 
     chunked_cross_entropy(logits, targets)           mean CE of materialized logits [..., V]
-    linear_cross_entropy(h, weight, targets)         mean CE of h @ weight^T, the [N, V] logits never whole
+    linear_cross_entropy(h, weight, targets)         mean CE of h @ weight^T, the LM head run inside it
 
 Both compute what F.cross_entropy(logits.float(), targets) computes (IGNORE_INDEX rows excluded
 from the sum and the count). The fused one (`ForwardOptions(return_logits=False)`, the training
-loop's and the step benchmark's forward) runs the LM head itself: per chunk of rows, the head's
-matmul into one reused buffer, the softmax, the per-token loss and, when a gradient is wanted, the
-gradient of the chunk's logits and its two backward matmuls, so backward only scales the
-gradients by the loss's incoming scalar. No [N, V] tensor is allocated: the logits, their float32
-copy and their gradient were three fresh, page-faulted allocations per step (64 MB each in float32
-at nanoGPT's shape), and the head's forward matmul ran at a third of its speed writing into one.
+loop's and the step benchmark's forward) runs the LM head itself and computes the head's
+gradients in forward, so backward only scales them by the loss's incoming scalar. The
+returned-logits path allocates the [N, V] logits and, in backward, their gradient: fresh,
+page-faulted allocations every step (64 MB each in float32 at nanoGPT's shape; in a 2-thread fp32
+step the head's forward matmul into the logits ran at 143 GFLOP/s, the fused loss's chunked ones
+at ~340). The fused one allocates no [N, V] tensor in float32 and one in 16 bits.
 tests/unit/model/test_fused.py holds both to F.linear + F.cross_entropy (values and gradients).
 """
 
@@ -93,13 +93,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     targets (IGNORE_INDEX rows excluded), computed in `dtype` (autocast's, else h's), without the
     [N, V] logits.
 
-    Forward, per chunk of rows: logits into one reused buffer, their float32 copy (16-bit logits)
-    or themselves (float32) turned in place into exp(logit - row max), the row's logsumexp and loss
-    (logsumexp - target logit, the target logit read from the logits in `dtype`, as F.cross_entropy
-    on them reads it). When h or weight needs a gradient: the same buffer becomes the gradient of the
-    mean loss, (softmax - onehot) / count (zero for ignored rows), rounded once to `dtype`, and the head's
-    backward matmuls run on it: grad_h rows = g @ weight, grad_weight += g^T @ h rows (float32
-    accumulator; 16-bit partials are rounded per chunk where autograd's single matmul rounds once).
+    Per chunk of rows: the chunk's logits, their float32 copy (16-bit) or themselves (float32)
+    turned in place into exp(logit - row max), the row's logsumexp and loss (logsumexp - target
+    logit, the target logit read from the logits in `dtype`, as F.cross_entropy on them reads it).
+    When h or weight needs a gradient, the same buffer then becomes the gradient of the mean loss,
+    (softmax - onehot) / count (zero for ignored rows). Float32: each chunk's logits come from one
+    reused buffer and the head's backward matmuls run per chunk (grad_h rows = g @ weight,
+    grad_weight += g^T @ h rows, accumulated in float32). 16-bit with a gradient: the logits come
+    from one whole [N, V] matmul, each chunk's gradient is rounded once to `dtype` into its rows, and
+    the two backward matmuls run whole on that buffer, as autograd's would (per-chunk 16-bit
+    partials of grad_weight would round once per chunk; the mixed-dtype accumulation also cost
+    more). Without a gradient, a chunk of logits at a time in 16 bits too.
     Backward multiplies both by the incoming scalar gradient (a scalar loss, so one number scales
     them all; usually 1, then they are handed over as they are).
     """

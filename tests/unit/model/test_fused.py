@@ -248,3 +248,19 @@ def test_fused_model_matches_reference(make_model, overrides, autocast, tol):
         scale = ref_grads[name].abs().max().item() + 1e-12
         err = (grad - ref_grads[name]).abs().max().item() / scale
         assert err < tol, f"{name}: max |fused - reference| = {err:.2e} of max |grad|"
+
+
+@pytest.mark.parametrize("case", ["plain", "zero3", "deferred"])
+def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make_model, case):
+    """return_logits=False fuses the head into the loss, except under ZeRO-3 (a partitioned weight,
+    marked `ds_id`, is gathered only around the head's own forward) and when a routed layer reads the
+    final logits (early exit's deferred consistency loss): those compute the logits and the chunked loss."""
+    model, cfg = make_model(*(("routing.method=early_exit",) if case == "deferred" else ()))
+    if case == "zero3":
+        model.lm_head.weight.ds_id = 0
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    out = model(tokens, tokens, options=ForwardOptions(return_logits=False))
+    fused = type(out.lm_loss.grad_fn).__name__ == "_LinearCrossEntropyBackward"
+    assert out.logits is None and fused == (case == "plain")
+    reference = model(tokens, tokens)  # the returned-logits forward: the same loss either way
+    torch.testing.assert_close(out.lm_loss, reference.lm_loss, rtol=1e-5, atol=1e-5)
