@@ -65,7 +65,7 @@ from .config.schema import parse_size
 from .flops import estimate_flops
 from .model import build_model
 from .model.attention import EAGER_MAX_LEN, saved_probability_elements
-from .model.lm_loss import CE_CHUNK_ELEMENTS
+from .model.lm_loss import CE_CHUNK_ELEMENTS, CE_TILE_ELEMENTS
 from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD, MODE_INTEGRATED, MODE_STAGED, MOE,
                             RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
 from .model.routing.moe import expert_hidden
@@ -264,20 +264,27 @@ def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision
     buffers. Vocab-parallel cross-entropy: the fp32 gradients of its log-softmax and of the logits,
     two T x V/tp fp32 tensors alive together; the chunked CPU loss: one logits-sized gradient. The
     LM head inside the loss (CPU training, `_fused_head`) needs none then: at the end of its forward,
-    16-bit, the one T x V buffer that holds the logits and then their gradient; float32, one chunk."""
+    16-bit, the one T x V buffer that holds the logits and then their gradient, and a float32 tile;
+    float32, one chunk."""
     T, V = seq_len, model.vocab_size
     if _fused_head(device, tp, zero_stage):
         p = ACTIVATION_BYTES[precision]
-        return (micro_batch * T * V * p if p < 4 else 0) + _loss_chunk_bytes(micro_batch * T, V, p)
+        return micro_batch * T * V * p + _loss_tile_bytes(micro_batch * T, V) if p < 4 else \
+            _loss_chunk_bytes(micro_batch * T, V, p)
     if _chunked_loss(device, tp):
         return micro_batch * T * V * ACTIVATION_BYTES[precision]
     return 2 * micro_batch * T * V // tp * 4
 
 
 def _loss_chunk_bytes(rows: int, vocab: int, p: int) -> int:
-    """The chunked loss's reused buffers: a chunk of logits in the compute dtype and, 16-bit, its
-    float32 copy (CE_CHUNK_ELEMENTS logits a chunk)."""
-    return min(rows, max(1, CE_CHUNK_ELEMENTS // vocab)) * vocab * (p + (4 if p < 4 else 0))
+    """The fused loss's reused buffers without the whole logits: a chunk of logits in the compute
+    dtype (CE_CHUNK_ELEMENTS) and, 16-bit, the float32 tile its softmax runs in."""
+    chunk = min(rows, max(1, CE_CHUNK_ELEMENTS // vocab)) * vocab * p
+    return chunk + (_loss_tile_bytes(rows, vocab) if p < 4 else 0)
+
+
+def _loss_tile_bytes(rows: int, vocab: int) -> int:
+    return min(rows, max(1, CE_TILE_ELEMENTS // vocab)) * vocab * 4
 
 
 def eval_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int = 1,

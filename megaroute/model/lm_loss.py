@@ -19,11 +19,16 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
-CE_CHUNK_ELEMENTS = 2**21  # logits per chunk: 8 MB in float32, so each chunk's temporaries stay in cache
+CE_CHUNK_ELEMENTS = 2**21  # logits per matmul chunk (8 MB in float32): large enough for full-speed matmuls
+CE_TILE_ELEMENTS = 2**19  # logits per softmax tile (2 MB in float32): one core's L2
 
 
 def _chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, CE_CHUNK_ELEMENTS // max(1, vocab)))
+
+
+def _tile_rows(n: int, vocab: int) -> int:
+    return max(1, min(n, CE_TILE_ELEMENTS // max(1, vocab)))
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,16 +39,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy [N] (float32) of logits [N, V] in any float dtype.
 
     Same math as F.cross_entropy(logits.float(), reduction="none"), but rows are processed in
-    chunks: no float32 copy, log-softmax or one-hot gradient buffer of the whole [N, V] (each a fresh
-    page-faulted allocation per step on CPU); backward writes softmax - onehot once, in the logits' dtype.
-    16-bit logits are converted a chunk at a time into the one reused float32 buffer, never by a
-    mixed-dtype op: on CPU those cast their 16-bit input into a fresh temporary on every call (the
-    forward's loop took 23 ms that way, 9 ms this way, on bf16 logits at nanoGPT's shape).
+    tiles (CE_TILE_ELEMENTS logits): no float32 copy, log-softmax or one-hot gradient buffer of the
+    whole [N, V] (each a fresh page-faulted allocation per step on CPU); backward writes softmax -
+    onehot once, in the logits' dtype. 16-bit logits are converted a tile at a time into the one
+    reused float32 buffer, never by a mixed-dtype op: on CPU those cast their 16-bit input into a
+    fresh temporary on every call (the forward's loop took 23 ms that way, 9 ms this way, on bf16
+    logits at nanoGPT's shape).
     """
 
     @staticmethod
     def forward(ctx, logits, targets):
-        rows = _chunk_rows(logits.shape[0], logits.shape[-1])
+        rows = _tile_rows(logits.shape[0], logits.shape[-1])
         valid = targets != IGNORE_INDEX
         safe = targets.masked_fill(~valid, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -93,17 +99,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     targets (IGNORE_INDEX rows excluded), computed in `dtype` (autocast's, else h's), without the
     [N, V] logits.
 
-    Per chunk of rows: the chunk's logits, their float32 copy (16-bit) or themselves (float32)
-    turned in place into exp(logit - row max), the row's logsumexp and loss (logsumexp - target
-    logit, the target logit read from the logits in `dtype`, as F.cross_entropy on them reads it).
-    When h or weight needs a gradient, the same buffer then becomes the gradient of the mean loss,
-    (softmax - onehot) / count (zero for ignored rows). Float32: each chunk's logits come from one
-    reused buffer and the head's backward matmuls run per chunk (grad_h rows = g @ weight,
-    grad_weight += g^T @ h rows, accumulated in float32). 16-bit with a gradient: the logits come
-    from one whole [N, V] matmul, each chunk's gradient is rounded once to `dtype` into its rows, and
-    the two backward matmuls run whole on that buffer, as autograd's would (per-chunk 16-bit
-    partials of grad_weight would round once per chunk; the mixed-dtype accumulation also cost
-    more). Without a gradient, a chunk of logits at a time in 16 bits too.
+    Per tile of rows (CE_TILE_ELEMENTS logits, sized for one core's L2: the softmax passes then
+    re-read cache, not memory; in the bf16 loss, tiles of 64 rows instead of 256 took 55 -> 46 ms at
+    nanoGPT's shape, 2 threads): the tile's logits, their float32 copy (16-bit) or themselves
+    (float32) turned in place into exp(logit - row max), the row's logsumexp and loss (logsumexp -
+    target logit, the target logit read from the logits in `dtype`, as F.cross_entropy on them reads
+    it). When h or weight needs a gradient, the same buffer then becomes the gradient of the mean
+    loss, (softmax - onehot) / count (zero for ignored rows). Float32: the logits come a chunk of rows
+    (CE_CHUNK_ELEMENTS) at a time from one matmul into one reused buffer, and the head's backward
+    matmuls run per chunk (grad_h rows = g @ weight, grad_weight += g^T @ h rows, accumulated in
+    float32). 16-bit with a gradient: the logits come from one whole [N, V] matmul, each tile's
+    gradient is rounded once to `dtype` into its rows, and the two backward matmuls run whole on that
+    buffer, as autograd's would (per-chunk 16-bit partials of grad_weight would round once per chunk;
+    the mixed-dtype accumulation also cost more). Without a gradient, a chunk of logits at a time in
+    16 bits too.
     Backward multiplies both by the incoming scalar gradient (a scalar loss, so one number scales
     them all; usually 1, then they are handed over as they are).
     """
@@ -113,7 +122,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.grads = None
         with torch.autocast(h.device.type, enabled=False):
             N, V = h.shape[0], weight.shape[0]
-            rows = _chunk_rows(N, V)
             wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             hc, wc = h.to(dtype), weight.to(dtype)
             valid = targets != IGNORE_INDEX
@@ -124,33 +132,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # 16-bit with a gradient: the head's three matmuls whole, on one [N, V] buffer that holds the
             # logits, then their gradient; otherwise a chunk's logits at a time in one reused buffer
             whole = wants_grad and dtype != _math_dtype(dtype)
+            rows = N if whole else _chunk_rows(N, V)
+            tile = _tile_rows(rows, V)
             logits = torch.mm(hc, wc.t()) if whole else torch.empty(rows, V, dtype=dtype, device=h.device)
-            work = logits if dtype == _math_dtype(dtype) else torch.empty(rows, V, dtype=torch.float32, device=h.device)
+            work = None if dtype == _math_dtype(dtype) else torch.empty(tile, V, dtype=torch.float32, device=h.device)
             losses = torch.empty(N, dtype=_math_dtype(dtype), device=h.device)
             if wants_grad and not whole:
                 grad_h = torch.empty(N, h.shape[1], dtype=dtype, device=h.device)
                 grad_w = torch.zeros(V, h.shape[1], dtype=_math_dtype(weight.dtype), device=h.device)
             for s in range(0, N, rows):
                 e = min(N, s + rows)
-                p, hs = work[:e - s], hc[s:e]
-                if whole:
-                    lg = logits[s:e]
-                else:
-                    lg = torch.mm(hs, wc.t(), out=logits[:e - s])
-                target_logit = lg.gather(1, safe[s:e]).to(p.dtype)
-                if p is not lg:
-                    p.copy_(lg)
-                peak = p.amax(dim=-1, keepdim=True)
-                total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
-                torch.sub(total.log().add_(peak), target_logit, out=losses[s:e].unsqueeze(1))
-                if not wants_grad:
-                    continue
-                p.mul_(keep[s:e] / total).scatter_add_(1, safe[s:e], -keep[s:e])  # (softmax - onehot) / count
-                if whole:
-                    lg.copy_(p)  # the logits' rows become their gradient
-                else:
-                    torch.mm(p, wc, out=grad_h[s:e])
-                    grad_w.addmm_(p.t(), hs)
+                chunk = logits[s:e] if whole else torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
+                for a in range(s, e, tile):  # the softmax passes a cache-sized tile of rows at a time
+                    b = min(e, a + tile)
+                    lg = chunk[a - s:b - s]
+                    p = lg if work is None else work[:b - a]
+                    target_logit = lg.gather(1, safe[a:b]).to(p.dtype)
+                    if p is not lg:
+                        p.copy_(lg)
+                    peak = p.amax(dim=-1, keepdim=True)
+                    total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
+                    torch.sub(total.log().add_(peak), target_logit, out=losses[a:b].unsqueeze(1))
+                    if not wants_grad:
+                        continue
+                    p.mul_(keep[a:b] / total).scatter_add_(1, safe[a:b], -keep[a:b])  # (softmax - onehot) / count
+                    if p is not lg:
+                        lg.copy_(p)  # the logits' rows become their gradient
+                if wants_grad and not whole:
+                    torch.mm(chunk, wc, out=grad_h[s:e])
+                    grad_w.addmm_(chunk.t(), hc[s:e])
             if whole:
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
                 del logits

@@ -91,9 +91,10 @@ def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, he
                                                 (torch.float32, True, 1e-2), (torch.bfloat16, False, 1e-2)])
 def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol):
     """The LM head inside the loss against F.linear then F.cross_entropy on float32 (float64) copies
-    of the logits, over several chunks, with ignored targets: loss, grad_h, grad_weight, their
-    dtypes, and the incoming gradient's scale (a loss scaled by 3)."""
-    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 3 * 11)  # 3 rows a chunk: several chunks, a partial last one
+    of the logits, over several chunks and tiles, with ignored targets: loss, grad_h, grad_weight,
+    their dtypes, and the incoming gradient's scale (a loss scaled by 3)."""
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)  # matmul chunks of 4 rows: 4, 4, 2
+    monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # softmax tiles of 3 rows: partial ones in each chunk
     h = torch.randn(2, 5, 6, dtype=dtype, requires_grad=True)
     weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5))
@@ -148,7 +149,7 @@ def test_model_without_logits_matches_model_with_them(make_model, overrides, aut
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-5)])
 def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tol):
-    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 3 * 11)  # 3 rows a chunk: several chunks
+    monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # 3 rows a tile: several tiles
     logits = (3 * torch.randn(2, 5, 11)).to(dtype).requires_grad_()
     targets = torch.randint(0, 11, (2, 5))
     targets[0, 1] = targets[1, 4] = IGNORE_INDEX
