@@ -543,3 +543,19 @@ def test_dispatch_primitives():
     assert torch.equal(out[0, [0, 2, 4]], x[0, [0, 2, 4]])
     torch.testing.assert_close(out[0, [1, 3]], x[0, [1, 3]] + 2.0)
     assert torch.equal(reference.gather(x, idx)[1], x[1, :2])
+
+
+def test_router_scores_in_the_residual_streams_precision_under_autocast(make_model):
+    """The router is float32 on a float32 stream even inside bf16 autocast (selective precision);
+    a bf16 stream keeps bf16; its gradient reaches x and the weight in their own dtypes."""
+    model, cfg = make_model(*MOD)
+    router = mod_layers(model)[0].router
+    x = torch.randn(2, 5, cfg.model.d_model, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x @ router.weight.t(), rtol=1e-6, atol=1e-6)
+    logits.sum().backward()
+    assert x.grad.dtype == torch.float32 and router.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert router(x.detach().bfloat16()).dtype == torch.bfloat16
