@@ -37,6 +37,17 @@ interquartile range of those ratios say how much of a difference the noise could
 machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
 thread's CPU time instead, which other processes barely disturb.
 
+CPU step times depend on the allocator, and the header names it. With glibc's defaults, freed
+large blocks go back to the OS, so every fresh large tensor is page-faulted in again, each step:
+megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates. Keeping freed memory,
+for example
+
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=536870912 \
+        python -m megaroute.bench.step --variants reference gpt2 dense mod
+
+makes every variant faster and gives nanoGPT's step most of what the fused paths saved (README,
+step-time benchmark: both are reported).
+
 CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
 adds the others on the dense config's shape) at realistic micro-batches, bf16 autocast over fp32
 weights with fused AdamW (fp16 + GradScaler where the GPU has no bf16), timed with CUDA events.
@@ -92,6 +103,17 @@ PHASES = ("forward", "backward", "optimizer")
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def allocator_label(environ=os.environ) -> str:
+    """Which allocator serves a CPU step, as the header prints it (see the module docstring)."""
+    preload = environ.get("LD_PRELOAD", "")
+    tuned = sorted(f"{k}={v}" for k, v in environ.items() if k.startswith("MALLOC_") and k.endswith("_"))
+    if preload:
+        return f"allocator: LD_PRELOAD={preload}" + (f" ({', '.join(tuned)})" if tuned else "")
+    if tuned:
+        return f"allocator: glibc malloc with {', '.join(tuned)}"
+    return "allocator: glibc malloc defaults (freed large blocks return to the OS: fresh ones are page-faulted)"
 
 
 @dataclass
@@ -548,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
               f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
+        print(allocator_label())
         print("train FLOPs/token (analytic; gpt2: counted relative to dense): " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")

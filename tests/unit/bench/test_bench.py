@@ -36,6 +36,14 @@ def test_step_benchmark_runs_and_reports(capsys, small_shape):
     for name in names:  # every variant has a row in both tables
         assert out.count(f"\n  {name:<11} ") == 2, name
     assert "\n  halting " not in out
+    assert "allocator: " in out  # CPU step times depend on it
+
+
+def test_allocator_label_names_what_serves_the_step():
+    assert "glibc malloc defaults" in step.allocator_label({})
+    assert step.allocator_label({"MALLOC_TRIM_THRESHOLD_": "64", "MALLOC_TOP_PAD_": "8", "PATH": "/bin"}) == \
+        "allocator: glibc malloc with MALLOC_TOP_PAD_=8, MALLOC_TRIM_THRESHOLD_=64"
+    assert step.allocator_label({"LD_PRELOAD": "libjemalloc.so.2"}) == "allocator: LD_PRELOAD=libjemalloc.so.2"
 
 
 def test_calibrated_sampling_runs_the_budget(small_shape):
