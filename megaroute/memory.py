@@ -65,7 +65,7 @@ from .config.schema import parse_size
 from .flops import estimate_flops
 from .model import build_model
 from .model.attention import EAGER_MAX_LEN, saved_probability_elements
-from .model.lm_loss import CE_CHUNK_ELEMENTS, CE_TILE_ELEMENTS
+from .model.lm_loss import chunk_rows, tile_rows
 from .model.routing import (DENSE, DEPTH_GATE, EARLY_EXIT, FIRST_K, HALTING, MOD, MODE_INTEGRATED, MODE_STAGED, MOE,
                             RANDOM, STRIDE, MethodSpec, is_controller_param, method_spec)
 from .model.routing.moe import expert_hidden
@@ -269,8 +269,9 @@ def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision
     T, V = seq_len, model.vocab_size
     if _fused_head(device, tp, zero_stage):
         p = ACTIVATION_BYTES[precision]
-        return micro_batch * T * V * p + _loss_tile_bytes(micro_batch * T, V) if p < 4 else \
-            _loss_chunk_bytes(micro_batch * T, V, p)
+        if p < 4:
+            return micro_batch * T * V * p + _loss_tile_bytes(micro_batch * T, V)
+        return _loss_chunk_bytes(micro_batch * T, V, p)
     if _chunked_loss(device, tp):
         return micro_batch * T * V * ACTIVATION_BYTES[precision]
     return 2 * micro_batch * T * V // tp * 4
@@ -278,13 +279,12 @@ def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision
 
 def _loss_chunk_bytes(rows: int, vocab: int, p: int) -> int:
     """The fused loss's reused buffers without the whole logits: a chunk of logits in the compute
-    dtype (CE_CHUNK_ELEMENTS) and, 16-bit, the float32 tile its softmax runs in."""
-    chunk = min(rows, max(1, CE_CHUNK_ELEMENTS // vocab)) * vocab * p
-    return chunk + (_loss_tile_bytes(rows, vocab) if p < 4 else 0)
+    dtype and, 16-bit, the float32 tile its softmax runs in (model/lm_loss.py)."""
+    return chunk_rows(rows, vocab) * vocab * p + (_loss_tile_bytes(rows, vocab) if p < 4 else 0)
 
 
 def _loss_tile_bytes(rows: int, vocab: int) -> int:
-    return min(rows, max(1, CE_TILE_ELEMENTS // vocab)) * vocab * 4
+    return tile_rows(rows, vocab) * vocab * 4
 
 
 def eval_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision: str, tp: int = 1,

@@ -23,11 +23,13 @@ CE_CHUNK_ELEMENTS = 2**21  # logits per matmul chunk (8 MB in float32): large en
 CE_TILE_ELEMENTS = 2**19  # logits per softmax tile (2 MB in float32): one core's L2
 
 
-def _chunk_rows(n: int, vocab: int) -> int:
+def chunk_rows(n: int, vocab: int) -> int:
+    """Rows of n per matmul chunk (CE_CHUNK_ELEMENTS logits; memory.py sizes the buffers with it)."""
     return max(1, min(n, CE_CHUNK_ELEMENTS // max(1, vocab)))
 
 
-def _tile_rows(n: int, vocab: int) -> int:
+def tile_rows(n: int, vocab: int) -> int:
+    """Rows of n per softmax tile (CE_TILE_ELEMENTS logits)."""
     return max(1, min(n, CE_TILE_ELEMENTS // max(1, vocab)))
 
 
@@ -49,7 +51,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        rows = _tile_rows(logits.shape[0], logits.shape[-1])
+        rows = tile_rows(logits.shape[0], logits.shape[-1])
         valid = targets != IGNORE_INDEX
         safe = targets.masked_fill(~valid, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -132,8 +134,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # 16-bit with a gradient: the head's three matmuls whole, on one [N, V] buffer that holds the
             # logits, then their gradient; otherwise a chunk's logits at a time in one reused buffer
             whole = wants_grad and dtype != _math_dtype(dtype)
-            rows = N if whole else _chunk_rows(N, V)
-            tile = _tile_rows(rows, V)
+            rows = N if whole else chunk_rows(N, V)
+            tile = tile_rows(rows, V)
             logits = torch.mm(hc, wc.t()) if whole else torch.empty(rows, V, dtype=dtype, device=h.device)
             work = None if dtype == _math_dtype(dtype) else torch.empty(tile, V, dtype=torch.float32, device=h.device)
             losses = torch.empty(N, dtype=_math_dtype(dtype), device=h.device)
