@@ -76,7 +76,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(logits)
         # float32 logits: computed in place in the gradient; others: in one reused float32 buffer
         buf = None if logits.dtype == torch.float32 else torch.empty(
-            min(ctx.rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+            ctx.rows, logits.shape[-1], dtype=torch.float32, device=logits.device)  # tile_rows: at most N
         for s in range(0, logits.shape[0], ctx.rows):
             e = s + ctx.rows
             p = out[s:e] if buf is None else buf[:out[s:e].shape[0]]
