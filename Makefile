@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e '.[dev]'
+	$(PY) -c 'from megaroute.kernels import cpu; cpu.main()'  # JIT-builds the fused CPU kernels once (~30 s)
 	touch $@
 
 # Debian packages the test-suite needs (only when run as root; otherwise they must be present).

@@ -4,6 +4,7 @@
     ops        the same ops as Triton kernels with autograd.Function wrappers (imports triton)
     backend    routing.dispatch = auto | torch | triton -> one of the two
     bench      `python -m megaroute.kernels.bench`
+    cpu        fused CPU kernels for a block's elementwise work (SwiGLU, RoPE, RMSNorm), JIT-built C++
 
 Routed layers reach these only through `megaroute.model.routing.dispatch.Dispatcher`. Importing this
 package does not import triton; `ops` is loaded on first use of the triton backend.

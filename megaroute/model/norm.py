@@ -1,11 +1,14 @@
 """RMSNorm: apex's fused kernel on CUDA when importable; on CPU (`fused`, the default) one autograd
-function; torch's F.rms_norm otherwise (CUDA without apex, torch.compile, `fused = False`)."""
+function (a fused kernel each way where kernels/cpu.py is built); torch's F.rms_norm otherwise (CUDA
+without apex, torch.compile, `fused = False`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels import cpu
 
 try:  # apex is optional and not on any package index.
     from apex.normalization import FusedRMSNorm as _ApexRMSNorm
@@ -24,10 +27,17 @@ class _RMSNormFunction(torch.autograd.Function):
     replays each of them: forward + backward of [8, 256, 384] took 8.2 ms, here 2.3 ms (2 threads).
     Forward: one reduction (vector_norm, nothing written) and two passes; backward: the weight
     gradient's row sum, a matrix-vector product for the per-row dot, and five elementwise passes.
+    With the fused CPU kernels (kernels/cpu.py; float32 / bf16 x and weight) each direction is one
+    pass over the rows instead: forward + backward 3.6 -> 0.3 ms (fp32, 2 threads).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        kernels = cpu.usable(x) and cpu.usable(weight)
+        if kernels:
+            y, rstd = kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(_math_dtype(x))
             rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
@@ -37,6 +47,11 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
+        grad = grad.contiguous()  # a no-op for the next matmul's input gradient
+        kernels = cpu.usable(grad, x) and cpu.usable(weight)
+        if kernels:
+            grad_x, grad_w = kernels.rms_norm_backward(grad, x, weight, rstd)
+            return grad_x, grad_w, None
         with torch.autocast(x.device.type, enabled=False):
             w = weight.to(rstd.dtype)
             xhat = x.to(rstd.dtype) * rstd

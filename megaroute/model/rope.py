@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..kernels import cpu
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
@@ -74,25 +76,35 @@ class _SplitQKVRotary(torch.autograd.Function):
 
     One read of qkv and one write of q, k, v; backward rotates the gradients back (rotation by -angle,
     the transpose) straight into one gradient tensor, instead of autograd's chunk/cat/select buffers.
+    On CPU each direction is one pass of a fused kernel (kernels/cpu.py) with the same roundings
+    (bf16: the same bits): [8, 256, 3, 6, 64] forward 0.95 -> 0.41 ms, backward 1.31 -> 0.40 ms
+    (fp32, 2 threads), where the eager ops make eight strided passes 32 values wide.
     """
 
     @staticmethod
     def forward(ctx, qkv, cos, sin):
         B, T, _, H, Dh = qkv.shape
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)  # [B, T, 1, Dh/2]: broadcasts over heads
+        ctx.save_for_backward(cos, sin)
+        kernels = cpu.usable(qkv, cos, sin) if cos.shape == (B, T, 1, Dh // 2) == sin.shape else None
+        if kernels is not None:
+            return tuple(kernels.rotary_qkv_forward(qkv, cos, sin))
         q, k, v = (torch.empty(B, H, T, Dh, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
         _rotate_into(q.transpose(1, 2), qkv[:, :, 0], cos, sin)
         _rotate_into(k.transpose(1, 2), qkv[:, :, 1], cos, sin)
         v.transpose(1, 2).copy_(qkv[:, :, 2])
-        ctx.save_for_backward(cos, sin)
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         B, H, T, Dh = dv.shape
-        grad = torch.empty(B, T, 3, H, Dh, dtype=dv.dtype, device=dv.device)
         neg_sin = -sin
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()  # no-ops for attention's gradients
+        kernels = cpu.usable(dq, dk, dv, cos, neg_sin) if cos.shape == (B, T, 1, Dh // 2) else None
+        if kernels is not None:
+            return kernels.rotary_qkv_backward(dq, dk, dv, cos, neg_sin), None, None
+        grad = torch.empty(B, T, 3, H, Dh, dtype=dv.dtype, device=dv.device)
         _rotate_into(grad[:, :, 0], dq.transpose(1, 2), cos, neg_sin)
         _rotate_into(grad[:, :, 1], dk.transpose(1, 2), cos, neg_sin)
         grad[:, :, 2].copy_(dv.transpose(1, 2))

@@ -1,0 +1,113 @@
+"""Fused CPU kernels for a block's elementwise work (cpu_fused.cpp), JIT-built once per environment.
+
+    swiglu_forward / swiglu_backward      used by model/mlp.py's _SwiGLUFunction
+    rotary_qkv_forward / _backward        used by model/rope.py's _SplitQKVRotary
+    rms_norm_forward / rms_norm_backward  used by model/norm.py's _RMSNormFunction
+
+Eager torch runs each of these as several elementwise passes with fresh temporaries (five passes and
+three temporaries for SwiGLU's backward, eight strided 32-wide passes for RoPE); here each is one
+vectorised pass over its rows. `load()` builds the extension with torch.utils.cpp_extension (g++ and
+ninja, ~30 s) into $TORCH_EXTENSIONS_DIR (default: <sys.prefix>/torch_extensions, where the launcher
+puts DeepSpeed's CPU ops too), compiled for the CPU capability torch itself dispatches to (AVX2 or
+AVX-512), and returns None where it cannot: not x86, no AVX2, no compiler, MEGAROUTE_CPU_KERNELS=0,
+or a failed build (warned once). The callers then run their eager ops, which stay the reference
+that tests/unit/kernels/test_cpu_fused.py holds these kernels to.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch.utils.cpp_extension import load as load_extension
+
+SOURCE = Path(__file__).with_name("cpu_fused.cpp")
+ENV_SWITCH = "MEGAROUTE_CPU_KERNELS"  # "0" turns the kernels off (the eager ops run)
+DTYPES = (torch.float32, torch.bfloat16)
+# Per capability torch reports: the macros ATen's Vectorized headers select on, and the ISA flags.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernels cannot be built here (None: they can), without building anything."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 ({platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _CAPABILITY_FLAGS:
+        return f"torch's CPU capability is {capability}, not AVX2 or AVX512"
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool, path=_search_path()) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found on PATH"
+    return None
+
+
+def _search_path() -> str:
+    """PATH plus this interpreter's bin directory, where pip puts the ninja wheel's binary (a venv's
+    python run by its path, not activated, does not have it on PATH)."""
+    return os.pathsep.join([os.environ.get("PATH", os.defpath), os.path.dirname(sys.executable)])
+
+
+def build_directory() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
+    return Path(root) / f"megaroute_cpu_fused_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+@functools.cache
+def load() -> Optional[ModuleType]:
+    """The built extension, or None (the reason warned once) where it cannot be built or loaded."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return None
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_CAPABILITY_FLAGS[torch.backends.cpu.get_cpu_capability()]]
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = _search_path()  # torch's build runs `ninja` from PATH
+    try:
+        return load_extension(name=directory.name, sources=[str(SOURCE)], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+    except Exception as exc:  # a compiler or linker error: the eager ops still work
+        warnings.warn(f"megaroute's fused CPU kernels did not build ({type(exc).__name__}: {exc}); "
+                      "running the eager ops", RuntimeWarning, stacklevel=2)
+        return None
+    finally:
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path
+
+
+def usable(*tensors: torch.Tensor) -> Optional[ModuleType]:
+    """The extension when every tensor is a contiguous float32 / bfloat16 CPU tensor of one dtype and
+    torch.compile is not tracing (it fuses the plain ops itself); else None."""
+    first = tensors[0]
+    if (first.device.type != "cpu" or first.dtype not in DTYPES or torch.compiler.is_compiling()
+            or any(t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous() for t in tensors)):
+        return None
+    return load()
+
+
+def main() -> int:
+    """Builds the kernels now (`make install` does) and prints where they are, or why not."""
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"megaroute CPU kernels: not built here ({reason}); the eager ops run")
+        return 0
+    module = load()
+    print(f"megaroute CPU kernels: {module.__file__}" if module is not None
+          else "megaroute CPU kernels: the build failed (see the warning); the eager ops run")
+    return 0

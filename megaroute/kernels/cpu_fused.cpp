@@ -1,0 +1,385 @@
+// Fused CPU kernels for a block's elementwise work (megaroute/kernels/cpu.py builds and loads them).
+//
+// Each one is a single pass over its rows, vectorised with ATen's Vectorized (AVX2 / AVX-512, the
+// capability cpu.py compiles for) and parallel over rows with at::parallel_for, where the eager
+// versions make several passes and allocate temporaries. float32 and bfloat16; arithmetic in float32.
+//   swiglu_forward / swiglu_backward    mlp._SwiGLUFunction: act = silu(gate), out = act * up
+//   rotary_qkv_forward / _backward       rope._SplitQKVRotary: split qkv, rotate q and k
+//   rms_norm_forward / rms_norm_backward norm._RMSNormFunction
+// Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
+// RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
+// Built with -ffp-contract=off: a fused multiply-add would round differently from the eager ops.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<BFloat16>;
+constexpr int64_t kF = fVec::size();
+constexpr int64_t kStep = 2 * kF;  // elements per step: two float vectors = one bf16 vector
+
+// n (1..kStep) elements as two float vectors; lanes past n are zero.
+inline void load(const float* p, int64_t n, fVec& a, fVec& b) {
+  if (n >= kStep) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + kF);
+    return;
+  }
+  a = fVec::loadu(p, std::min(n, kF));
+  b = n > kF ? fVec::loadu(p + kF, n - kF) : fVec(0.f);
+}
+
+inline void load(const BFloat16* p, int64_t n, fVec& a, fVec& b) {
+  std::tie(a, b) = at::vec::convert_to_float<BFloat16>(n >= kStep ? bVec::loadu(p) : bVec::loadu(p, n));
+}
+
+inline void store(float* p, int64_t n, const fVec& a, const fVec& b) {
+  if (n >= kStep) {
+    a.store(p);
+    b.store(p + kF);
+    return;
+  }
+  a.store(p, std::min(n, kF));
+  if (n > kF) b.store(p + kF, n - kF);
+}
+
+inline void store(BFloat16* p, int64_t n, const fVec& a, const fVec& b) {
+  const bVec v = at::vec::convert_from_float<BFloat16>(a, b);
+  if (n >= kStep) v.store(p);
+  else v.store(p, n);
+}
+
+// Rounds to T's precision in place (nothing for float): where the eager ops store a T result.
+template <typename T>
+inline void round_to(fVec&, fVec&) {}
+
+template <>
+inline void round_to<BFloat16>(fVec& a, fVec& b) {
+  std::tie(a, b) = at::vec::convert_to_float<BFloat16>(at::vec::convert_from_float<BFloat16>(a, b));
+}
+
+// Calls f(T{}) with T the C++ type of dtype (float32 or bfloat16, which check_cpu admits).
+template <typename F>
+inline void dispatch(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) f(float{});
+  else f(BFloat16{});
+}
+
+// Rows per parallel chunk: about 32k elements, so small tensors stay on one thread.
+inline int64_t grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// ----------------------------------------------------------------------------------------- SwiGLU
+
+template <typename T>
+void swiglu_forward_kernel(const T* gate_up, T* act, T* out, int64_t rows, int64_t h) {
+  at::parallel_for(0, rows, grain(3 * h), [&](int64_t r0, int64_t r1) {
+    const fVec one(1.f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * h;
+      const T* u = g + h;
+      for (int64_t i = 0; i < h; i += kStep) {
+        const int64_t n = std::min(kStep, h - i);
+        fVec g0, g1, u0, u1;
+        load(g + i, n, g0, g1);
+        load(u + i, n, u0, u1);
+        fVec a0 = g0 / (one + g0.neg().exp()), a1 = g1 / (one + g1.neg().exp());  // F.silu's formula
+        round_to<T>(a0, a1);
+        store(act + r * h + i, n, a0, a1);
+        store(out + r * h + i, n, a0 * u0, a1 * u1);
+      }
+    }
+  });
+}
+
+template <typename T>
+void swiglu_backward_kernel(const T* grad, const T* gate_up, const T* act, T* grad_gate_up, int64_t rows,
+                            int64_t h) {
+  at::parallel_for(0, rows, grain(6 * h), [&](int64_t r0, int64_t r1) {
+    const fVec one(1.f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * h;
+      const T* u = g + h;
+      T* dg = grad_gate_up + r * 2 * h;
+      T* du = dg + h;
+      for (int64_t i = 0; i < h; i += kStep) {
+        const int64_t n = std::min(kStep, h - i);
+        fVec d0, d1, g0, g1, u0, u1, a0, a1;
+        load(grad + r * h + i, n, d0, d1);
+        load(g + i, n, g0, g1);
+        load(u + i, n, u0, u1);
+        load(act + r * h + i, n, a0, a1);
+        fVec t0 = d0 * u0, t1 = d1 * u1;  // eager: grad * up, stored in T
+        round_to<T>(t0, t1);
+        const fVec s0 = one / (one + g0.neg().exp()), s1 = one / (one + g1.neg().exp());
+        store(dg + i, n, t0 * s0 * (one + g0 * (one - s0)), t1 * s1 * (one + g1 * (one - s1)));  // silu_backward's
+        store(du + i, n, d0 * a0, d1 * a1);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> swiglu_forward(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  const int64_t h = gate_up.size(-1) / 2;
+  TORCH_CHECK(gate_up.size(-1) == 2 * h, "gate_up's last dimension must be even");
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = h;
+  at::Tensor act = at::empty(shape, gate_up.options()), out = at::empty(shape, gate_up.options());
+  const int64_t rows = h ? gate_up.numel() / (2 * h) : 0;
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    swiglu_forward_kernel<T>(gate_up.data_ptr<T>(), act.data_ptr<T>(), out.data_ptr<T>(), rows, h);
+  });
+  return {act, out};
+}
+
+at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& gate_up, const at::Tensor& act) {
+  check_cpu(grad, "grad");
+  check_cpu(gate_up, "gate_up");
+  check_cpu(act, "act");
+  TORCH_CHECK(grad.scalar_type() == gate_up.scalar_type() && act.scalar_type() == gate_up.scalar_type(),
+              "grad, gate_up and act must share a dtype");
+  const int64_t h = act.size(-1);
+  TORCH_CHECK(grad.sizes() == act.sizes() && gate_up.numel() == 2 * act.numel(), "shape mismatch");
+  at::Tensor grad_gate_up = at::empty_like(gate_up);
+  const int64_t rows = h ? act.numel() / h : 0;
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    swiglu_backward_kernel<T>(grad.data_ptr<T>(), gate_up.data_ptr<T>(), act.data_ptr<T>(),
+                              grad_gate_up.data_ptr<T>(), rows, h);
+  });
+  return grad_gate_up;
+}
+
+// ------------------------------------------------------------------------------------------- RoPE
+
+// dst = rotary(src) over one head (half = Dh / 2): dst1 = x1 c - x2 s, dst2 = x2 c + x1 s, each
+// product with cos rounded to T first (eager: mul, then addcmul_ on its result).
+template <typename T>
+inline void rotate_head(const T* src, T* dst, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += kStep) {
+    const int64_t n = std::min(kStep, half - i);
+    fVec x10, x11, x20, x21, c0, c1, s0, s1;
+    load(src + i, n, x10, x11);
+    load(src + half + i, n, x20, x21);
+    load(c + i, n, c0, c1);
+    load(s + i, n, s0, s1);
+    fVec a0 = x10 * c0, a1 = x11 * c1, b0 = x20 * c0, b1 = x21 * c1;
+    round_to<T>(a0, a1);
+    round_to<T>(b0, b1);
+    store(dst + i, n, a0 - x20 * s0, a1 - x21 * s1);
+    store(dst + half + i, n, b0 + x10 * s0, b1 + x11 * s1);
+  }
+}
+
+template <typename T>
+void rotary_kernel(T* rows_in, T* q, T* k, T* v, const T* cos, const T* sin, int64_t B, int64_t S,
+                   int64_t H, int64_t Dh, bool backward) {
+  // rows_in: forward qkv [B, S, 3, H, Dh]; backward the gradient [B, S, 3, H, Dh] is written from q, k,
+  // v [B, H, S, Dh]. cos / sin [B * S, Dh / 2] (backward: sin is already negated).
+  const int64_t half = Dh / 2;
+  at::parallel_for(0, B * S, grain(3 * H * Dh), [&](int64_t r0, int64_t r1) {
+    for (int64_t bs = r0; bs < r1; ++bs) {
+      const int64_t b = bs / S, t = bs % S;
+      const T* c = cos + bs * half;
+      const T* s = sin + bs * half;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const int64_t head = ((b * H + hh) * S + t) * Dh;
+        T* packed = rows_in + (bs * 3 * H + hh) * Dh;  // q's head; k at + H * Dh, v at + 2 H Dh
+        if (!backward) {
+          rotate_head<T>(packed, q + head, c, s, half);
+          rotate_head<T>(packed + H * Dh, k + head, c, s, half);
+          std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v + head);
+        } else {
+          rotate_head<T>(q + head, packed, c, s, half);
+          rotate_head<T>(k + head, packed + H * Dh, c, s, half);
+          std::copy(v + head, v + head + Dh, packed + 2 * H * Dh);
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+  check_cpu(qkv, "qkv");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, "qkv must be [B, T, 3, H, Dh]");
+  const int64_t B = qkv.size(0), S = qkv.size(1), H = qkv.size(3), Dh = qkv.size(4);
+  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == B * S * (Dh / 2) && sin.numel() == cos.numel(),
+              "cos and sin must hold [B, T, Dh / 2] values");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be in qkv's dtype");
+  auto opts = qkv.options();
+  at::Tensor q = at::empty({B, H, S, Dh}, opts), k = at::empty({B, H, S, Dh}, opts), v = at::empty({B, H, S, Dh}, opts);
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rotary_kernel<T>(qkv.data_ptr<T>(), q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), cos.data_ptr<T>(),
+                     sin.data_ptr<T>(), B, S, H, Dh, false);
+  });
+  return {q, k, v};
+}
+
+at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& cos,
+                               const at::Tensor& neg_sin) {
+  for (auto* t : {&dq, &dk, &dv}) check_cpu(*t, "dq, dk and dv");
+  check_cpu(cos, "cos");
+  check_cpu(neg_sin, "neg_sin");
+  TORCH_CHECK(dq.dim() == 4 && dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), "dq, dk, dv must be [B, H, T, Dh]");
+  TORCH_CHECK(dk.scalar_type() == dq.scalar_type() && dv.scalar_type() == dq.scalar_type() &&
+                  cos.scalar_type() == dq.scalar_type() && neg_sin.scalar_type() == dq.scalar_type(),
+              "dq, dk, dv, cos and sin must share a dtype");
+  const int64_t B = dq.size(0), H = dq.size(1), S = dq.size(2), Dh = dq.size(3);
+  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == B * S * (Dh / 2) && neg_sin.numel() == cos.numel(),
+              "cos and sin must hold [B, T, Dh / 2] values");
+  at::Tensor grad = at::empty({B, S, 3, H, Dh}, dq.options());
+  dispatch(dq.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rotary_kernel<T>(grad.data_ptr<T>(), dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(), cos.data_ptr<T>(),
+                     neg_sin.data_ptr<T>(), B, S, H, Dh, true);
+  });
+  return grad;
+}
+
+// ---------------------------------------------------------------------------------------- RMSNorm
+
+inline float hsum(const fVec& a, const fVec& b) {
+  return at::vec::vec_reduce_all<float>([](fVec x, fVec y) { return x + y; }, a + b);
+}
+
+template <typename T, typename W>
+void rms_norm_forward_kernel(const T* x, const W* w, T* y, float* rstd, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, grain(2 * D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      fVec acc0(0.f), acc1(0.f);
+      for (int64_t i = 0; i < D; i += kStep) {
+        fVec x0, x1;
+        load(xr + i, std::min(kStep, D - i), x0, x1);
+        acc0 = acc0 + x0 * x0;
+        acc1 = acc1 + x1 * x1;
+      }
+      const float inv = 1.f / std::sqrt(hsum(acc0, acc1) / static_cast<float>(D) + eps);
+      rstd[r] = inv;
+      const fVec vinv(inv);
+      for (int64_t i = 0; i < D; i += kStep) {
+        const int64_t n = std::min(kStep, D - i);
+        fVec x0, x1, w0, w1;
+        load(xr + i, n, x0, x1);
+        load(w + i, n, w0, w1);
+        store(y + r * D + i, n, x0 * vinv * w0, x1 * vinv * w1);
+      }
+    }
+  });
+}
+
+template <typename T, typename W>
+void rms_norm_backward_kernel(const T* grad, const T* x, const W* w, const float* rstd, T* grad_x, float* grad_w_parts,
+                              int64_t rows, int64_t D) {
+  // grad_w_parts: [threads, D] zeros; each thread sums its rows' grad * xhat into its own row.
+  at::parallel_for(0, rows, grain(3 * D), [&](int64_t r0, int64_t r1) {
+    float* part = grad_w_parts + at::get_thread_num() * D;
+    const fVec invD(1.f / static_cast<float>(D));
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gr = grad + r * D;
+      const T* xr = x + r * D;
+      const fVec inv(rstd[r]);
+      fVec acc0(0.f), acc1(0.f);
+      for (int64_t i = 0; i < D; i += kStep) {  // <grad * w, xhat>, and the weight gradient terms
+        const int64_t n = std::min(kStep, D - i);
+        fVec g0, g1, x0, x1, w0, w1, p0, p1;
+        load(gr + i, n, g0, g1);
+        load(xr + i, n, x0, x1);
+        load(w + i, n, w0, w1);
+        const fVec t0 = g0 * (x0 * inv), t1 = g1 * (x1 * inv);
+        acc0 = acc0 + t0 * w0;
+        acc1 = acc1 + t1 * w1;
+        load(part + i, n, p0, p1);
+        store(part + i, n, p0 + t0, p1 + t1);
+      }
+      const fVec dot = fVec(hsum(acc0, acc1)) * invD;
+      for (int64_t i = 0; i < D; i += kStep) {
+        const int64_t n = std::min(kStep, D - i);
+        fVec g0, g1, x0, x1, w0, w1;
+        load(gr + i, n, g0, g1);
+        load(xr + i, n, x0, x1);
+        load(w + i, n, w0, w1);
+        store(grad_x + r * D + i, n, (g0 * w0 - x0 * inv * dot) * inv, (g1 * w1 - x1 * inv * dot) * inv);
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  const int64_t D = weight.numel();
+  TORCH_CHECK(D > 0 && x.size(-1) == D, "x's last dimension must match the weight");
+  const int64_t rows = x.numel() / D;
+  at::Tensor y = at::empty_like(x);
+  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
+  rshape.back() = 1;
+  at::Tensor rstd = at::empty(rshape, x.options().dtype(at::kFloat));
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch(weight.scalar_type(), [&](auto wtag) {
+      using W = decltype(wtag);
+      rms_norm_forward_kernel<T, W>(x.data_ptr<T>(), weight.data_ptr<W>(), y.data_ptr<T>(), rstd.data_ptr<float>(),
+                                    rows, D, static_cast<float>(eps));
+    });
+  });
+  return {y, rstd};
+}
+
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd) {
+  check_cpu(grad, "grad");
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type() && grad.sizes() == x.sizes(), "grad must match x");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous(), "rstd must be contiguous float32");
+  const int64_t D = weight.numel(), rows = x.numel() / D;
+  TORCH_CHECK(rstd.numel() == rows, "rstd must hold one value per row");
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor parts = at::zeros({at::get_num_threads(), D}, x.options().dtype(at::kFloat));
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dispatch(weight.scalar_type(), [&](auto wtag) {
+      using W = decltype(wtag);
+      rms_norm_backward_kernel<T, W>(grad.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<W>(), rstd.data_ptr<float>(),
+                                     grad_x.data_ptr<T>(), parts.data_ptr<float>(), rows, D);
+    });
+  });
+  return {grad_x, parts.sum(0).to(weight.scalar_type())};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("swiglu_forward", &swiglu_forward, "gate_up [..., 2h] -> (silu(gate), silu(gate) * up)");
+  m.def("swiglu_backward", &swiglu_backward, "(grad, gate_up, act) -> grad of gate_up");
+  m.def("rotary_qkv_forward", &rotary_qkv_forward, "qkv [B, T, 3, H, Dh], cos, sin -> rotated q, k and v");
+  m.def("rotary_qkv_backward", &rotary_qkv_backward, "(dq, dk, dv, cos, -sin) -> grad of qkv");
+  m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
+  m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");
+}

@@ -1,0 +1,151 @@
+"""The fused CPU kernels (megaroute/kernels/cpu_fused.cpp) against the eager ops they replace.
+
+Shapes cover a row shorter than one vector step, a ragged tail after full steps, no rows, and enough
+rows that at::parallel_for splits them over threads (RMSNorm's weight gradient sums per thread).
+bf16 results match the eager ops bit for bit where no exp is involved (RoPE, and SwiGLU's products);
+float32 ones to within a rounding (ATen's own build may fuse a multiply-add the kernels keep apart).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megaroute.kernels import cpu
+from megaroute.model import build_model
+from megaroute.config import load_config
+from megaroute.model.rope import _rotate_into
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if cpu.unavailable_reason() is not None:
+        pytest.skip(f"no fused CPU kernels on this machine: {cpu.unavailable_reason()}")
+    module = cpu.load()
+    assert module is not None, "buildable here, but the build failed (see the warning)"
+    return module
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernels' parallel chunks, and RMSNorm's per-thread partial sums
+    yield
+    torch.set_num_threads(before)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if exact:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h", [(3, 7), (2, 37), (0, 16), (700, 100)])
+def test_swiglu_matches_eager_ops(kernels, dtype, rows, h):
+    gate_up = (2 * torch.randn(rows, 2 * h)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    grad = torch.randn(rows, h).to(dtype)
+    act, out = kernels.swiglu_forward(gate_up)
+    ref_act = F.silu(gate)
+    # exp's last bit: ATen's vectorised silu takes libm's expf on a scalar tail, the kernel never does
+    _same(act, ref_act, exact=False) if dtype == torch.float32 else torch.testing.assert_close(act, ref_act)
+    _same(out, act * up, exact=True)  # the product of the stored act, as eager forms it
+    ref_grad = torch.empty_like(gate_up)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=ref_grad[:, :h])
+    torch.mul(grad, ref_act, out=ref_grad[:, h:])
+    _same(kernels.swiglu_backward(grad, gate_up, ref_act), ref_grad, exact=dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,Dh", [(2, 5, 3, 8), (1, 3, 2, 100), (2, 0, 2, 4), (4, 64, 6, 64)])
+def test_rotary_qkv_matches_eager_ops(kernels, dtype, B, T, H, Dh):
+    qkv = torch.randn(B, T, 3, H, Dh).to(dtype)
+    angles = torch.rand(B, T, 1, Dh // 2) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ref = [torch.empty(B, H, T, Dh, dtype=dtype) for _ in range(3)]
+    _rotate_into(ref[0].transpose(1, 2), qkv[:, :, 0], cos, sin)
+    _rotate_into(ref[1].transpose(1, 2), qkv[:, :, 1], cos, sin)
+    ref[2].transpose(1, 2).copy_(qkv[:, :, 2])
+    for a, b in zip(kernels.rotary_qkv_forward(qkv, cos, sin), ref):
+        _same(a, b, exact=dtype == torch.bfloat16)
+    dq, dk, dv = (torch.randn(B, H, T, Dh).to(dtype) for _ in range(3))
+    ref_grad = torch.empty(B, T, 3, H, Dh, dtype=dtype)
+    _rotate_into(ref_grad[:, :, 0], dq.transpose(1, 2), cos, -sin)
+    _rotate_into(ref_grad[:, :, 1], dk.transpose(1, 2), cos, -sin)
+    ref_grad[:, :, 2].copy_(dv.transpose(1, 2))
+    _same(kernels.rotary_qkv_backward(dq, dk, dv, cos, -sin), ref_grad, exact=dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows,D", [(3, 5), (2, 100), (0, 8), (1000, 24)])
+def test_rms_norm_matches_float32_reference(kernels, x_dtype, w_dtype, rows, D):
+    x = (3 * torch.randn(rows, D)).to(x_dtype)
+    weight = (1 + 0.3 * torch.randn(D)).to(w_dtype)
+    grad = torch.randn(rows, D).to(x_dtype)
+    y, rstd = kernels.rms_norm_forward(x, weight, 1e-5)
+    xf, wf = x.float().requires_grad_(), weight.float().requires_grad_()
+    ref = F.rms_norm(xf, (D,), wf, 1e-5)
+    ref_gx, ref_gw = torch.autograd.grad(ref, (xf, wf), grad.float())
+    gx, gw = kernels.rms_norm_backward(grad, x, weight, rstd)
+    tol = 1e-5 if x_dtype == torch.float32 else 1e-2
+    assert y.dtype == gx.dtype == x_dtype and gw.dtype == w_dtype and rstd.shape == (rows, 1)
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(gx.float(), ref_gx, rtol=tol, atol=tol)
+    wtol = 1e-5 if w_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gw.float(), ref_gw, rtol=wtol, atol=wtol * max(1.0, ref_gw.abs().max().item()))
+
+
+def test_usable_only_for_contiguous_float32_or_bf16_cpu_tensors(kernels):
+    x = torch.randn(4, 6)
+    assert cpu.usable(x, x.bfloat16()) is None  # mixed dtypes
+    assert cpu.usable(x.t()) is None and cpu.usable(x.double()) is None and cpu.usable(x.half()) is None
+    assert cpu.usable(x) is kernels and cpu.usable(x.bfloat16()) is kernels
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu.ENV_SWITCH, "0")
+    assert cpu.unavailable_reason() == f"{cpu.ENV_SWITCH}=0"
+
+
+def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypatch):
+    """A dense model's forward and backward call each kernel (no silent fallback), and give the
+    values and gradients of the same model with the kernels off."""
+    cfg = load_config(None, ["model.d_model=48", "model.n_layers=2", "model.n_heads=4", "data.seq_len=16",
+                             "model.max_seq_len=16", "model.vocab_size=64", "data.tokenizer.vocab_size=64"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.routing)
+    tokens = torch.randint(0, 64, (3, 16))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, tokens).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    calls: dict[str, int] = {}
+
+    def counted(name):
+        def call(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(kernels, name)(*args)
+        return call
+
+    names = [n for n in dir(kernels) if n.endswith(("_forward", "_backward"))]
+    proxy = types.SimpleNamespace(**{n: counted(n) for n in names})
+    monkeypatch.setattr(cpu, "load", lambda: proxy)
+    fused = loss_and_grads()
+    assert sorted(calls) == sorted(names)
+    monkeypatch.setattr(cpu, "usable", lambda *tensors: None)
+    eager = loss_and_grads()
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
