@@ -3,14 +3,17 @@
     swiglu_forward / swiglu_backward      used by model/mlp.py's _SwiGLUFunction
     rotary_qkv_forward / _backward        used by model/rope.py's _SplitQKVRotary
     rms_norm_forward / rms_norm_backward  used by model/norm.py's _RMSNormFunction
+    rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
 
-Eager torch runs each of these as several elementwise passes with fresh temporaries (five passes and
-three temporaries for SwiGLU's backward, eight strided 32-wide passes for RoPE); here each is one
-vectorised pass over its rows. `load()` builds the extension with torch.utils.cpp_extension (g++ and
+Eager torch runs each of these as several elementwise passes with fresh temporaries (SwiGLU's
+backward: three passes and a temporary; RoPE: eight strided passes 32 values wide; RMSNorm: five
+passes, a reduction and a matrix-vector product; the varlen buckets: an index_select, RoPE, a cat
+and an index_select); here each is one vectorised pass over its rows. `load()` builds the extension with torch.utils.cpp_extension (g++ and
 ninja, ~30 s) into $TORCH_EXTENSIONS_DIR (default: <sys.prefix>/torch_extensions, where the launcher
 puts DeepSpeed's CPU ops too), compiled for the CPU capability torch itself dispatches to (AVX2 or
 AVX-512), and returns None where it cannot: not x86, no AVX2, no compiler, MEGAROUTE_CPU_KERNELS=0,
-or a failed build (warned once). The callers then run their eager ops, which stay the reference
+no C++ source (a converted model's remote code, hf/bundle.py, ships this module alone) or a failed
+build (warned once). The callers then run their eager ops, which stay the reference
 that tests/unit/kernels/test_cpu_fused.py holds these kernels to.
 """
 
@@ -44,6 +47,8 @@ def unavailable_reason() -> Optional[str]:
     """Why the kernels cannot be built here (None: they can), without building anything."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
+    if not SOURCE.is_file():  # this module shipped without its C++ source: a converted model's remote code
+        return f"no {SOURCE.name} beside {Path(__file__).name}"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 ({platform.machine()})"
     capability = torch.backends.cpu.get_cpu_capability()

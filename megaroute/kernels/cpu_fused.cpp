@@ -6,6 +6,8 @@
 //   swiglu_forward / swiglu_backward    mlp._SwiGLUFunction: act = silu(gate), out = act * up
 //   rotary_qkv_forward / _backward       rope._SplitQKVRotary: split qkv, rotate q and k
 //   rms_norm_forward / rms_norm_backward norm._RMSNormFunction
+//   rotary_qkv_scatter / gather_heads    attention.forward_varlen without autograd: the padding
+//                                        gather fused with RoPE, and the unpadding
 // Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
 // RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
 // Built with -ffp-contract=off: a fused multiply-add would round differently from the eager ops.
@@ -261,6 +263,101 @@ at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const
   return grad;
 }
 
+// Bucketed varlen attention on CPU (attention.forward_varlen without autograd; attention.BucketLayout):
+// sequences laid end to end, padded per bucket into [n, H, kmax, Dh]. A slot is (bucket, sequence j
+// in it, position t); rows are the N real tokens.
+
+// Writes rotated q, k and v of each slot into the bucket tensors: slot s reads row source[s] of qkv
+// [N, 3, H, Dh] and of cos / sin [N, Dh / 2] (the padding gather and RoPE in one pass).
+void rotary_qkv_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& source,
+                        const at::Tensor& bucket, const at::Tensor& seq, const at::Tensor& pos,
+                        const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& ks,
+                        const std::vector<at::Tensor>& vs) {
+  check_cpu(qkv, "qkv");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 4 && qkv.size(1) == 3, "qkv must be [N, 3, H, Dh]");
+  const int64_t N = qkv.size(0), H = qkv.size(2), Dh = qkv.size(3), half = Dh / 2, S = source.numel();
+  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == N * half && sin.numel() == cos.numel() &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must hold [N, Dh / 2] values in qkv's dtype");
+  for (const auto* t : {&source, &bucket, &seq, &pos})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == S, "slot indices must be int64 [S]");
+  TORCH_CHECK(qs.size() == ks.size() && qs.size() == vs.size(), "one q, k and v per bucket");
+  for (const auto* list : {&qs, &ks, &vs})
+    for (const auto& t : *list)
+      TORCH_CHECK(t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && t.stride(3) == 1 &&
+                      t.scalar_type() == qkv.scalar_type(), "bucket tensors must be [n, H, kmax, Dh]");
+  const int64_t* src = source.data_ptr<int64_t>();
+  const int64_t* bkt = bucket.data_ptr<int64_t>();
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    struct Dest { T* data; int64_t seq, head, pos; };  // a bucket tensor's base and strides
+    auto dests = [](const std::vector<at::Tensor>& list) {
+      std::vector<Dest> out;
+      for (const auto& t : list) out.push_back({t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)});
+      return out;
+    };
+    const std::vector<Dest> dq = dests(qs), dk = dests(ks), dv = dests(vs);
+    const T* in = qkv.data_ptr<T>();
+    const T* cs = cos.data_ptr<T>();
+    const T* sn = sin.data_ptr<T>();
+    const int64_t buckets = static_cast<int64_t>(qs.size());
+    at::parallel_for(0, S, grain(3 * H * Dh), [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t r = src[s], b = bkt[s];
+        TORCH_CHECK(r >= 0 && r < N && b >= 0 && b < buckets, "slot index out of range");
+        const T* row = in + r * 3 * H * Dh;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          auto at = [&](const Dest& d) { return d.data + sq[s] * d.seq + hh * d.head + ps[s] * d.pos; };
+          rotate_head<T>(row + hh * Dh, at(dq[b]), cs + r * half, sn + r * half, half);
+          rotate_head<T>(row + (H + hh) * Dh, at(dk[b]), cs + r * half, sn + r * half, half);
+          std::copy(row + (2 * H + hh) * Dh, row + (2 * H + hh + 1) * Dh, at(dv[b]));
+        }
+      }
+    });
+  });
+}
+
+// out [N, H, Dh]: row r takes every head of (sequence seq[r], position pos[r]) of ys[bucket[r]], each
+// [n, H, kmax, Dh] with any strides but a contiguous last dimension (the unpadding in one pass).
+at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& bucket, const at::Tensor& seq,
+                        const at::Tensor& pos) {
+  TORCH_CHECK(!ys.empty(), "no bucket tensors");
+  const auto dtype = ys[0].scalar_type();
+  const int64_t H = ys[0].size(1), Dh = ys[0].size(3), N = bucket.numel();
+  for (const auto& t : ys)
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && t.stride(3) == 1 &&
+                    t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
+                "bucket outputs must be float32 / bf16 CPU [n, H, kmax, Dh] of one dtype");
+  for (const auto* t : {&bucket, &seq, &pos})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == N, "row indices must be int64 [N]");
+  at::Tensor out = at::empty({N, H, Dh}, ys[0].options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t* bkt = bucket.data_ptr<int64_t>();
+  const int64_t* sq = seq.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    struct Src { const T* data; int64_t seq, head, pos; };
+    std::vector<Src> src;
+    for (const auto& t : ys) src.push_back({t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)});
+    T* o = out.data_ptr<T>();
+    const int64_t buckets = static_cast<int64_t>(ys.size());
+    at::parallel_for(0, N, grain(H * Dh), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t b = bkt[r];
+        TORCH_CHECK(b >= 0 && b < buckets, "bucket index out of range");
+        const Src& y = src[b];
+        const T* base = y.data + sq[r] * y.seq + ps[r] * y.pos;
+        for (int64_t hh = 0; hh < H; ++hh) std::copy(base + hh * y.head, base + hh * y.head + Dh, o + (r * H + hh) * Dh);
+      }
+    });
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------- RMSNorm
 
 inline float hsum(const fVec& a, const fVec& b) {
@@ -380,6 +477,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &swiglu_backward, "(grad, gate_up, act) -> grad of gate_up");
   m.def("rotary_qkv_forward", &rotary_qkv_forward, "qkv [B, T, 3, H, Dh], cos, sin -> rotated q, k and v");
   m.def("rotary_qkv_backward", &rotary_qkv_backward, "(dq, dk, dv, cos, -sin) -> grad of qkv");
+  m.def("rotary_qkv_scatter", &rotary_qkv_scatter, "varlen: qkv rows -> rotated q, k, v in padded buckets");
+  m.def("gather_heads", &gather_heads, "varlen: padded bucket outputs -> [N, H, Dh] rows");
   m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");
 }

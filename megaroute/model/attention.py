@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu
 from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
 from ..parallel.mappings import Group
 from .rope import Positions, apply_rotary, split_qkv_rotary
@@ -152,6 +153,16 @@ class BucketLayout:
         row_seq = torch.arange(len(lengths), device=device).repeat_interleave(len_t, output_size=sum(lengths))
         self.slot = base_t[row_seq] + torch.arange(row_seq.shape[0], device=device) - starts_t[row_seq]  # [N]
 
+    def slot_coordinates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per slot [S]: its bucket, its sequence within the bucket and its position in that sequence
+        (the indices the fused CPU kernels address [sequences, H, longest, Dh] bucket tensors by)."""
+        firsts, sizes, widths = (torch.tensor(v, dtype=torch.long, device=self.source.device)
+                                 for v in zip(*((first, n * kmax, max(kmax, 1)) for first, n, kmax in self.buckets)))
+        bucket = torch.arange(len(self.buckets), device=self.source.device).repeat_interleave(
+            sizes, output_size=self.source.shape[0])
+        local = torch.arange(self.source.shape[0], device=self.source.device) - firsts[bucket]
+        return bucket, local // widths[bucket], local % widths[bucket]
+
     def pad(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """[N, *rest] -> per bucket [sequences, longest, *rest]."""
         padded = flat.index_select(0, self.source)
@@ -226,6 +237,9 @@ class CausalSelfAttention(nn.Module):
         kernel (`jagged_causal_attention`, untested on GPU). Elsewhere the projected rows are gathered
         once into `n_buckets` padded buckets of sequences sorted by length (BucketLayout), RoPE and
         causal attention per bucket: the same torch calls whatever the batch size or the lengths.
+        Without autograd (hard halting and causal MoD run at inference) the fused CPU kernels
+        (kernels/cpu.py) gather and rotate q, k, v straight into the buckets and gather the outputs
+        back in one pass each, instead of an index_select, RoPE, a cat and a second index_select.
         """
         N, H, Dh = x.shape[0], self.n_heads, self.head_dim
         if sum(lengths) != N or min(lengths, default=0) < 0:
@@ -237,6 +251,17 @@ class CausalSelfAttention(nn.Module):
         else:
             attend = causal_attention if self.fused else partial(F.scaled_dot_product_attention, is_causal=True)
             layout = BucketLayout(lengths, n_buckets, x.device)
+            no_grad = not (torch.is_grad_enabled() and qkv.requires_grad)
+            kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
+            if kernels is not None:  # inference: the padding gather + RoPE, and the unpadding, one pass each
+                cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2) for t in (cos, sin))
+                coords = layout.slot_coordinates()
+                qs, ks, vs = ([qkv.new_empty(n, H, kmax, Dh) for _, n, kmax in layout.buckets] for _ in range(3))
+                kernels.rotary_qkv_scatter(qkv.view(N, 3, H, Dh), cos.contiguous(), sin.contiguous(), layout.source,
+                                           *coords, qs, ks, vs)
+                ys = [attend(q, k, v) for q, k, v in zip(qs, ks, vs)]
+                y = kernels.gather_heads(ys, *(c.index_select(0, layout.slot) for c in coords))
+                return self.out(y.view(N, H * Dh))
             ys = []
             for qkv_b, cos_b, sin_b in zip(*(layout.pad(t.squeeze(1)) for t in (qkv, cos, sin))):
                 q, k, v = self._rotary(qkv_b, cos_b.transpose(1, 2), sin_b.transpose(1, 2))

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from megaroute.kernels import cpu
-from megaroute.model import build_model
 from megaroute.config import load_config
-from megaroute.model.rope import _rotate_into
+from megaroute.model import build_model
+from megaroute.model.attention import CausalSelfAttention
+from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -149,3 +150,29 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[1], eager[1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_buckets", [1, 2, 3])
+def test_varlen_attention_kernels_match_the_eager_buckets(kernels, monkeypatch, dtype, n_buckets):
+    """forward_varlen without autograd (the padding gather fused with RoPE, one-pass unpadding) equals
+    the eager bucket path: empty sequences, a single token, gaps in the positions, an empty bucket."""
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(48, 6).to(dtype)
+    rope = RotaryEmbedding(8, 64)
+    for lengths in ([4, 0, 11, 1, 7, 30, 29], [0, 5, 0], [3]):
+        x = torch.randn(sum(lengths), 48).to(dtype)
+        positions = torch.cat([torch.randperm(40)[:n].sort().values for n in lengths])
+        pos = Positions(rope, positions.unsqueeze(1))
+        calls = []
+        real = kernels.gather_heads
+        monkeypatch.setattr(cpu, "load", lambda: types.SimpleNamespace(
+            rotary_qkv_scatter=kernels.rotary_qkv_scatter,
+            gather_heads=lambda *a: calls.append(1) or real(*a)))
+        with torch.no_grad():
+            fused = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
+            assert calls, "the kernel path did not run"
+            monkeypatch.setattr(cpu, "usable", lambda *tensors: None)
+            eager = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
+        monkeypatch.undo()
+        _same(fused, eager, exact=dtype == torch.bfloat16)
