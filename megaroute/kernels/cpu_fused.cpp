@@ -194,9 +194,18 @@ inline void rotate_head(const T* src, T* dst, const T* c, const T* s, int64_t ha
   }
 }
 
+// A [B, H, S, Dh] tensor's data and strides (any, but Dh contiguous): SDPA's gradients come strided.
 template <typename T>
-void rotary_kernel(T* rows_in, T* q, T* k, T* v, const T* cos, const T* sin, int64_t B, int64_t S,
-                   int64_t H, int64_t Dh, bool backward) {
+struct Heads {
+  T* data;
+  int64_t b, h, s;
+  Heads(const at::Tensor& t) : data(t.data_ptr<T>()), b(t.stride(0)), h(t.stride(1)), s(t.stride(2)) {}
+  T* at(int64_t bb, int64_t hh, int64_t ss) const { return data + bb * b + hh * h + ss * s; }
+};
+
+template <typename T>
+void rotary_kernel(T* rows_in, const Heads<T>& q, const Heads<T>& k, const Heads<T>& v, const T* cos, const T* sin,
+                   int64_t B, int64_t S, int64_t H, int64_t Dh, bool backward) {
   // rows_in: forward qkv [B, S, 3, H, Dh]; backward the gradient [B, S, 3, H, Dh] is written from q, k,
   // v [B, H, S, Dh]. cos / sin [B * S, Dh / 2] (backward: sin is already negated).
   const int64_t half = Dh / 2;
@@ -206,16 +215,15 @@ void rotary_kernel(T* rows_in, T* q, T* k, T* v, const T* cos, const T* sin, int
       const T* c = cos + bs * half;
       const T* s = sin + bs * half;
       for (int64_t hh = 0; hh < H; ++hh) {
-        const int64_t head = ((b * H + hh) * S + t) * Dh;
         T* packed = rows_in + (bs * 3 * H + hh) * Dh;  // q's head; k at + H * Dh, v at + 2 H Dh
         if (!backward) {
-          rotate_head<T>(packed, q + head, c, s, half);
-          rotate_head<T>(packed + H * Dh, k + head, c, s, half);
-          std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v + head);
+          rotate_head<T>(packed, q.at(b, hh, t), c, s, half);
+          rotate_head<T>(packed + H * Dh, k.at(b, hh, t), c, s, half);
+          std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v.at(b, hh, t));
         } else {
-          rotate_head<T>(q + head, packed, c, s, half);
-          rotate_head<T>(k + head, packed + H * Dh, c, s, half);
-          std::copy(v + head, v + head + Dh, packed + 2 * H * Dh);
+          rotate_head<T>(q.at(b, hh, t), packed, c, s, half);
+          rotate_head<T>(k.at(b, hh, t), packed + H * Dh, c, s, half);
+          std::copy(v.at(b, hh, t), v.at(b, hh, t) + Dh, packed + 2 * H * Dh);
         }
       }
     }
@@ -236,15 +244,19 @@ std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tens
   at::Tensor q = at::empty({B, H, S, Dh}, opts), k = at::empty({B, H, S, Dh}, opts), v = at::empty({B, H, S, Dh}, opts);
   dispatch(qkv.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    rotary_kernel<T>(qkv.data_ptr<T>(), q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), cos.data_ptr<T>(),
-                     sin.data_ptr<T>(), B, S, H, Dh, false);
+    rotary_kernel<T>(qkv.data_ptr<T>(), Heads<T>(q), Heads<T>(k), Heads<T>(v), cos.data_ptr<T>(), sin.data_ptr<T>(),
+                     B, S, H, Dh, false);
   });
   return {q, k, v};
 }
 
+// dq, dk, dv: any strides with Dh contiguous (SDPA's CPU backward returns them [B, T, H, Dh]-strided).
 at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& cos,
                                const at::Tensor& neg_sin) {
-  for (auto* t : {&dq, &dk, &dv}) check_cpu(*t, "dq, dk and dv");
+  for (auto* t : {&dq, &dk, &dv}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1, "dq, dk and dv must be CPU [B, H, T, Dh] "
+                "with the last dimension contiguous");
+  }
   check_cpu(cos, "cos");
   check_cpu(neg_sin, "neg_sin");
   TORCH_CHECK(dq.dim() == 4 && dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), "dq, dk, dv must be [B, H, T, Dh]");
@@ -257,7 +269,7 @@ at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const
   at::Tensor grad = at::empty({B, S, 3, H, Dh}, dq.options());
   dispatch(dq.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    rotary_kernel<T>(grad.data_ptr<T>(), dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(), cos.data_ptr<T>(),
+    rotary_kernel<T>(grad.data_ptr<T>(), Heads<T>(dq), Heads<T>(dk), Heads<T>(dv), cos.data_ptr<T>(),
                      neg_sin.data_ptr<T>(), B, S, H, Dh, true);
   });
   return grad;

@@ -100,10 +100,13 @@ class _SplitQKVRotary(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         B, H, T, Dh = dv.shape
         neg_sin = -sin
-        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()  # no-ops for attention's gradients
-        kernels = cpu.usable(dq, dk, dv, cos, neg_sin) if cos.shape == (B, T, 1, Dh // 2) else None
+        # The kernel reads gradients with any strides whose last dimension is contiguous: SDPA's are
+        # [B, T, H, Dh]-strided on CPU, and copying them would cost 3 passes a layer.
+        grads = [t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv)]
+        same = all(t.dtype == cos.dtype and t.device == cos.device for t in grads)
+        kernels = cpu.usable(cos, neg_sin) if same and cos.shape == (B, T, 1, Dh // 2) else None
         if kernels is not None:
-            return kernels.rotary_qkv_backward(dq, dk, dv, cos, neg_sin), None, None
+            return kernels.rotary_qkv_backward(*grads, cos, neg_sin), None, None
         grad = torch.empty(B, T, 3, H, Dh, dtype=dv.dtype, device=dv.device)
         _rotate_into(grad[:, :, 0], dq.transpose(1, 2), cos, neg_sin)
         _rotate_into(grad[:, :, 1], dk.transpose(1, 2), cos, neg_sin)
