@@ -14,7 +14,9 @@ puts DeepSpeed's CPU ops too), compiled for the CPU capability torch itself disp
 AVX-512), and returns None where it cannot: not x86, no AVX2, no compiler, MEGAROUTE_CPU_KERNELS=0,
 no C++ source (a converted model's remote code, hf/bundle.py, ships this module alone) or a failed
 build (warned once). The callers then run their eager ops, which stay the reference
-that tests/unit/kernels/test_cpu_fused.py holds these kernels to.
+that tests/unit/kernels/test_cpu_fused.py holds these kernels to. Processes that need the kernels
+while another builds them wait on torch's lock file in the build directory; a build killed midway
+leaves that `lock` behind, and it must be deleted by hand (as for DeepSpeed's JIT-built ops).
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tens
 at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& cos,
                                const at::Tensor& neg_sin) {
   for (auto* t : {&dq, &dk, &dv}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1, "dq, dk and dv must be CPU [B, H, T, Dh] "
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && (t->stride(3) == 1 || t->numel() == 0), "dq, dk and dv must be CPU [B, H, T, Dh] "
                 "with the last dimension contiguous");
   }
   check_cpu(cos, "cos");
@@ -298,7 +298,7 @@ void rotary_qkv_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::
   TORCH_CHECK(qs.size() == ks.size() && qs.size() == vs.size(), "one q, k and v per bucket");
   for (const auto* list : {&qs, &ks, &vs})
     for (const auto& t : *list)
-      TORCH_CHECK(t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && t.stride(3) == 1 &&
+      TORCH_CHECK(t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && (t.stride(3) == 1 || t.numel() == 0) &&
                       t.scalar_type() == qkv.scalar_type(), "bucket tensors must be [n, H, kmax, Dh]");
   const int64_t* src = source.data_ptr<int64_t>();
   const int64_t* bkt = bucket.data_ptr<int64_t>();
@@ -341,7 +341,8 @@ at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& buc
   const auto dtype = ys[0].scalar_type();
   const int64_t H = ys[0].size(1), Dh = ys[0].size(3), N = bucket.numel();
   for (const auto& t : ys)
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && t.stride(3) == 1 &&
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(1) == H && t.size(3) == Dh &&
+                    (t.stride(3) == 1 || t.numel() == 0) &&
                     t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
                 "bucket outputs must be float32 / bf16 CPU [n, H, kmax, Dh] of one dtype");
   for (const auto* t : {&bucket, &seq, &pos})

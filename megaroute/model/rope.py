@@ -43,8 +43,11 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> (cos, sin), each [B, 1, T, head_dim/2] ready to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions [B, T] -> (cos, sin), each [B, 1, T, head_dim/2] ready to broadcast over heads.
+        index_select, not advanced indexing: ~10 vs ~50 us a table on CPU, twice per routed layer."""
+        flat, shape = positions.reshape(-1), (*positions.shape, self.cos.shape[-1])
+        return (self.cos.index_select(0, flat).view(shape).unsqueeze(1),
+                self.sin.index_select(0, flat).view(shape).unsqueeze(1))
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
