@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.cpp_extension import load as load_extension
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
@@ -99,10 +100,12 @@ def load() -> Optional[ModuleType]:
 
 
 def usable(*tensors: torch.Tensor) -> Optional[ModuleType]:
-    """The extension when every tensor is a contiguous float32 / bfloat16 CPU tensor of one dtype and
-    torch.compile is not tracing (it fuses the plain ops itself); else None."""
+    """The extension when every tensor is a contiguous float32 / bfloat16 CPU tensor of one dtype, and
+    neither torch.compile (it fuses the plain ops itself) nor a Python dispatch mode (FlopCounterMode,
+    fake tensors: they must see the aten ops, which the kernels bypass) is active; else None."""
     first = tensors[0]
     if (first.device.type != "cpu" or first.dtype not in DTYPES or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None
             or any(t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous() for t in tensors)):
         return None
     return load()

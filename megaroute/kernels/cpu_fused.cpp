@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -483,6 +484,142 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
   return {grad_x, parts.sum(0).to(weight.scalar_type())};
 }
 
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+// ------------------------------------------------------------------------- float32 causal attention
+// Per head (parallel over B * H), flash-style: queries in blocks of kQueryBlock rows, each against the
+// keys up to its last row only (the scores above the diagonal blocks are never computed), the softmax
+// in float32 with the row's logsumexp saved, and backward recomputing the probabilities from it (what
+// SDPA saves: q, k, v, out, logsumexp). A head's q, k, v (T x Dh each) and one block's scores stay in
+// L2 through all of its matmuls (oneDNN's brgemm through at::native::cpublas), where torch's
+// batched matmuls stream every operand from memory per op.
+
+constexpr int64_t kQueryBlock = 64;
+
+// dst [cols, rows] = src [rows, cols]^T, src rows `ld_src` apart.
+inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t rows, int64_t cols) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
+      for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c) dst[c * rows + r] = src[r * ld_src + c];
+}
+
+struct HeadView {  // a [B, H, T, Dh] tensor's head (b, h): rows `row` apart, Dh contiguous
+  float* data;
+  int64_t row;
+};
+
+inline HeadView head_of(const at::Tensor& t, int64_t bh, int64_t H) {
+  return {t.data_ptr<float>() + (bh / H) * t.stride(0) + (bh % H) * t.stride(1), t.stride(2)};
+}
+
+void check_heads(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.sizes() == like.sizes() &&
+                  (t.stride(3) == 1 || t.numel() == 0), name, " must be a float32 CPU [B, H, T, Dh] tensor with "
+              "its last dimension contiguous, shaped like q");
+}
+
+// Probabilities of one query block [rows a..b) against keys [0, b): p = exp(scale * s - lse), causal.
+inline void block_probs(float* p, int64_t a, int64_t b, float scale, const float* lse) {
+  for (int64_t r = 0; r < b - a; ++r) {
+    float* row = p + r * b;
+    const int64_t valid = a + r + 1;
+    const fVec vs(scale), vl(lse[a + r]);
+    at::vec::map([&](fVec x) { return (x * vs - vl).exp_u20(); }, row, row, valid);
+    std::fill(row + valid, row + b, 0.f);
+  }
+}
+
+std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_heads(q, "q", q);
+  check_heads(k, "k", q);
+  check_heads(v, "v", q);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
+  const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
+  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
+  at::Tensor lse = at::empty({B, H, T}, q.options());
+  at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> kt(Dh * T), scores(kQueryBlock * T);
+    for (int64_t bh = h0; bh < h1; ++bh) {
+      const HeadView Q = head_of(q, bh, H), K = head_of(k, bh, H), V = head_of(v, bh, H), O = head_of(out, bh, H);
+      float* L = lse.data_ptr<float>() + bh * T;
+      transpose(K.data, K.row, kt.data(), T, Dh);
+      for (int64_t a = 0; a < T; a += kQueryBlock) {
+        const int64_t b = std::min(T, a + kQueryBlock), m = b - a;
+        float* S = scores.data();
+        at::native::cpublas::brgemm(m, b, Dh, Q.row, T, b, false, Q.data + a * Q.row, kt.data(), S, false);
+        for (int64_t r = 0; r < m; ++r) {  // softmax over keys [0, a + r]; the row's logsumexp kept
+          float* row = S + r * b;
+          const int64_t valid = a + r + 1;
+          const float mx = at::vec::reduce_all<float>([](fVec x, fVec y) { return at::vec::maximum(x, y); }, row, valid);
+          const fVec vs(scale), vm(mx * scale);
+          at::vec::map([&](fVec x) { return (x * vs - vm).exp_u20(); }, row, row, valid);
+          const float sum = at::vec::reduce_all<float>([](fVec x, fVec y) { return x + y; }, row, valid);
+          const fVec inv(1.f / sum);
+          at::vec::map([&](fVec x) { return x * inv; }, row, row, valid);
+          std::fill(row + valid, row + b, 0.f);
+          L[a + r] = mx * scale + std::log(sum);
+        }
+        at::native::cpublas::brgemm(m, Dh, b, b, V.row, O.row, false, S, V.data, O.data + a * O.row, false);
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> causal_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
+  for (const auto& [t, name] : {std::pair{&grad, "grad"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
+    check_heads(*t, name, q);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == B * H * T, "lse must be [B, H, T]");
+  const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
+  at::Tensor dq = at::empty({B, H, T, Dh}, q.options()), dk = at::empty_like(dq), dv = at::empty_like(dq);
+  at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> kt(Dh * T), vt(Dh * T), qt(Dh * T), got(Dh * T), dkt(Dh * T), dvt(Dh * T), delta(T),
+        p(kQueryBlock * T), dp(kQueryBlock * T);
+    for (int64_t bh = h0; bh < h1; ++bh) {
+      const HeadView G = head_of(grad, bh, H), Q = head_of(q, bh, H), K = head_of(k, bh, H), V = head_of(v, bh, H),
+                     O = head_of(out, bh, H), DQ = head_of(dq, bh, H), DK = head_of(dk, bh, H), DV = head_of(dv, bh, H);
+      const float* L = lse.data_ptr<float>() + bh * T;
+      transpose(K.data, K.row, kt.data(), T, Dh);
+      transpose(V.data, V.row, vt.data(), T, Dh);
+      transpose(Q.data, Q.row, qt.data(), T, Dh);
+      transpose(G.data, G.row, got.data(), T, Dh);
+      for (int64_t t = 0; t < T; ++t) {  // delta = rowsum(grad * out): softmax backward's per-row term
+        delta[t] = at::vec::map2_reduce_all<float>([](fVec x, fVec y) { return x * y; },
+                                                   [](fVec x, fVec y) { return x + y; }, G.data + t * G.row,
+                                                   O.data + t * O.row, Dh);
+      }
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
+      for (int64_t a = 0; a < T; a += kQueryBlock) {
+        const int64_t b = std::min(T, a + kQueryBlock), m = b - a;
+        at::native::cpublas::brgemm(m, b, Dh, Q.row, T, b, false, Q.data + a * Q.row, kt.data(), p.data(), false);
+        block_probs(p.data(), a, b, scale, L);
+        // dV^T[:, :b] += grad_block^T p;  dP = grad_block v[:b]^T
+        at::native::cpublas::brgemm(Dh, b, m, T, b, T, true, got.data() + a, p.data(), dvt.data(), false);
+        at::native::cpublas::brgemm(m, b, Dh, G.row, T, b, false, G.data + a * G.row, vt.data(), dp.data(), false);
+        for (int64_t r = 0; r < m; ++r) {  // dS = p * (dP - delta) * scale, in place in dp
+          float* ds = dp.data() + r * b;
+          const float* pr = p.data() + r * b;
+          const fVec vd(delta[a + r]), vs(scale);
+          at::vec::map2([&](fVec x, fVec y) { return y * (x - vd) * vs; }, ds, ds, pr, b);
+        }
+        // dQ_block = dS k[:b];  dK^T[:, :b] += q_block^T dS
+        at::native::cpublas::brgemm(m, Dh, b, b, K.row, DQ.row, false, dp.data(), K.data, DQ.data + a * DQ.row, false);
+        at::native::cpublas::brgemm(Dh, b, m, T, b, T, true, qt.data() + a, dp.data(), dkt.data(), false);
+      }
+      transpose(dkt.data(), T, DK.data, Dh, T);  // [Dh, T] -> [T, Dh] rows (dk, dv are contiguous: rows Dh apart)
+      transpose(dvt.data(), T, DV.data, Dh, T);
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return {dq, dk, dv};
+}
+#endif  // CPUBLAS_BRGEMM_F32F32F32
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -492,6 +629,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qkv_backward", &rotary_qkv_backward, "(dq, dk, dv, cos, -sin) -> grad of qkv");
   m.def("rotary_qkv_scatter", &rotary_qkv_scatter, "varlen: qkv rows -> rotated q, k, v in padded buckets");
   m.def("gather_heads", &gather_heads, "varlen: padded bucket outputs -> [N, H, Dh] rows");
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  m.def("causal_attention_forward", &causal_attention_forward, "float32 q, k, v [B, H, T, Dh] -> (out, logsumexp)");
+  m.def("causal_attention_backward", &causal_attention_backward, "(grad, q, k, v, out, lse) -> (dq, dk, dv)");
+#endif
   m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");
 }

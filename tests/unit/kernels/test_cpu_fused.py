@@ -1,4 +1,5 @@
-"""The fused CPU kernels (megaroute/kernels/cpu_fused.cpp) against the eager ops they replace.
+"""The fused CPU kernels (megaroute/kernels/cpu_fused.cpp) against the eager ops they replace (and
+float32 causal attention against torch's SDPA).
 
 Shapes cover a row shorter than one vector step, a ragged tail after full steps, no rows, and enough
 rows that at::parallel_for splits them over threads (RMSNorm's weight gradient sums per thread).
@@ -13,11 +14,13 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from megaroute.kernels import cpu
 from megaroute.config import load_config
 from megaroute.model import build_model
-from megaroute.model.attention import CausalSelfAttention
+from megaroute.model.attention import CausalSelfAttention, causal_attention
 from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -180,3 +183,30 @@ def test_varlen_attention_kernels_match_the_eager_buckets(kernels, monkeypatch, 
             eager = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
         monkeypatch.undo()
         _same(fused, eager, exact=dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("B,H,T,Dh", [(2, 3, 70, 32), (1, 2, 5, 16), (2, 4, 130, 100), (1, 1, 1, 8), (2, 2, 0, 8),
+                                      (2, 6, 256, 64)])
+def test_float32_causal_attention_matches_sdpa(kernels, B, H, T, Dh):
+    """Forward and backward against torch's kernel, the output gradient [B, T, H, Dh]-strided as the
+    out-projection's backward hands it over; query blocks of 64 with a partial last one."""
+    if not hasattr(kernels, "causal_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    q, k, v = (torch.randn(B, H, T, Dh, requires_grad=True) for _ in range(3))
+    grad = torch.randn(B, T, H, Dh).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    out = causal_attention(q, k, v)
+    assert out.grad_fn is not None and "F32" in type(out.grad_fn).__name__  # the kernel ran
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_kernels_step_aside_for_dispatch_modes(kernels):
+    """FlopCounterMode (and fake tensors) must see the aten ops: under it attention runs torch's SDPA,
+    whose math backend (what the FLOP tests select) is matmuls the counter counts."""
+    q = torch.randn(1, 2, 8, 16)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        causal_attention(q, q, q)
+    assert counter.get_total_flops() == 2 * (2 * 2 * 8 * 8 * 16)  # q k^T and p v, whole 8 x 8 scores
