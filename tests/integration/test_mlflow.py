@@ -22,7 +22,7 @@ from megaroute.config import flatten, load_config
 from megaroute.flops import config_flops, training_proxy
 from megaroute.train.run import data_fingerprint
 
-from .conftest import Job, losses, read_metrics, start_job
+from .conftest import Job, losses, read_metrics, start_job, wait_for
 from .mlflow_server import MARKER, MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -198,6 +198,8 @@ def test_server_stop_leaves_no_process(mlflow_server):
     """Runs last: the teardown kills the group and what escaped it (here a stand-in for a job
     subprocess, started in a session of its own as mlflow's job executor does)."""
     escaped = subprocess.Popen(["sleep", "600"], env={MARKER: mlflow_server.token}, start_new_session=True)
+    # Until the child has exec'd, /proc shows the parent's environment, without the marker.
+    wait_for(lambda: escaped.pid in [p.pid for p in mlflow_server.processes()], timeout=30)
     pids = [p.pid for p in mlflow_server.processes()]
     assert escaped.pid in pids and len(pids) >= 3  # server, uvicorn, job runner (+ consumers)
     shm = set(mlflow_server._shm_dirs)
