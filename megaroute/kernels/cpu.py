@@ -1,15 +1,18 @@
-"""Fused CPU kernels for a block's elementwise work (cpu_fused.cpp), JIT-built once per environment.
+"""Fused CPU kernels for a block's work (cpu_fused.cpp), JIT-built once per environment.
 
     swiglu_forward / swiglu_backward      used by model/mlp.py's _SwiGLUFunction
     rotary_qkv_forward / _backward        used by model/rope.py's _SplitQKVRotary
     rms_norm_forward / rms_norm_backward  used by model/norm.py's _RMSNormFunction
     rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
+    causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
+                                          (built where torch's headers declare the float32 brgemm)
 
-Eager torch runs each of these as several elementwise passes with fresh temporaries (SwiGLU's
+Eager torch runs the first four as several elementwise passes with fresh temporaries (SwiGLU's
 backward: three passes and a temporary; RoPE: eight strided passes 32 values wide; RMSNorm: five
 passes, a reduction and a matrix-vector product; the varlen buckets: an index_select, RoPE, a cat
-and an index_select); here each is one vectorised pass over its rows. `load()` builds the extension with torch.utils.cpp_extension (g++ and
-ninja, ~30 s) into $TORCH_EXTENSIONS_DIR (default: <sys.prefix>/torch_extensions, where the launcher
+and an index_select); here each is one vectorised pass over its rows. Attention runs per head with
+the head's data in cache through all its matmuls. `load()` builds the extension with
+torch.utils.cpp_extension (g++ and ninja, ~30 s) into $TORCH_EXTENSIONS_DIR (default: <sys.prefix>/torch_extensions, where the launcher
 puts DeepSpeed's CPU ops too), compiled for the CPU capability torch itself dispatches to (AVX2 or
 AVX-512), and returns None where it cannot: not x86, no AVX2, no compiler, MEGAROUTE_CPU_KERNELS=0,
 no C++ source (a converted model's remote code, hf/bundle.py, ships this module alone) or a failed

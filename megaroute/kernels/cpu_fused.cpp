@@ -1,4 +1,4 @@
-// Fused CPU kernels for a block's elementwise work (megaroute/kernels/cpu.py builds and loads them).
+// Fused CPU kernels for a block's work (megaroute/kernels/cpu.py builds and loads them).
 //
 // Each one is a single pass over its rows, vectorised with ATen's Vectorized (AVX2 / AVX-512, the
 // capability cpu.py compiles for) and parallel over rows with at::parallel_for, where the eager
@@ -8,6 +8,8 @@
 //   rms_norm_forward / rms_norm_backward norm._RMSNormFunction
 //   rotary_qkv_scatter / gather_heads    attention.forward_varlen without autograd: the padding
 //                                        gather fused with RoPE, and the unpadding
+//   causal_attention_forward / _backward float32 causal attention per head through oneDNN's brgemm
+//                                        (attention._CausalAttentionF32; see its section below)
 // Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
 // RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
 // Built with -ffp-contract=off: a fused multiply-add would round differently from the eager ops.
