@@ -102,16 +102,28 @@ def load() -> Optional[ModuleType]:
             os.environ["PATH"] = path
 
 
-def usable(*tensors: torch.Tensor) -> Optional[ModuleType]:
-    """The extension when every tensor is a contiguous float32 / bfloat16 CPU tensor of one dtype, and
-    neither torch.compile (it fuses the plain ops itself) nor a Python dispatch mode (FlopCounterMode,
-    fake tensors: they must see the aten ops, which the kernels bypass) is active; else None."""
+def usable(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> Optional[ModuleType]:
+    """The extension when every tensor is a float32 / bfloat16 CPU tensor of one dtype, contiguous
+    (`strided` ones: any strides with the last dimension contiguous, which the kernels taking
+    [B, H, T, Dh] tensors read in place), and neither torch.compile (it fuses the plain ops itself)
+    nor a Python dispatch mode (FlopCounterMode, fake tensors: they must see the aten ops, which the
+    kernels bypass) is active; else None."""
     first = tensors[0]
     if (first.device.type != "cpu" or first.dtype not in DTYPES or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None
-            or any(t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous() for t in tensors)):
+            or any(t.device.type != "cpu" or t.dtype != first.dtype for t in (*tensors, *strided))
+            or not all(t.is_contiguous() for t in tensors) or not all(_rows_contiguous(t) for t in strided)):
         return None
     return load()
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """t when its last dimension is contiguous (what `strided` tensors need), else a contiguous copy."""
+    return t if _rows_contiguous(t) else t.contiguous()
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 or t.numel() == 0
 
 
 def main() -> int:

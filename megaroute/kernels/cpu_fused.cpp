@@ -93,6 +93,21 @@ void check_cpu(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// A [B, H, S, Dh] tensor addressed through its strides, Dh contiguous: SDPA's CPU gradients, the
+// varlen bucket tensors and attention's operands all come with other strides than q's.
+template <typename T>
+struct Heads {
+  T* data;
+  int64_t b, h, s;  // s: one row (position) to the next
+  explicit Heads(const at::Tensor& t) : data(t.data_ptr<T>()), b(t.stride(0)), h(t.stride(1)), s(t.stride(2)) {}
+  T* at(int64_t bb, int64_t hh, int64_t ss) const { return data + bb * b + hh * h + ss * s; }
+};
+
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && (t.stride(3) == 1 || t.numel() == 0), name,
+              " must be a CPU [B, H, T, Dh] tensor with its last dimension contiguous");
+}
+
 // ----------------------------------------------------------------------------------------- SwiGLU
 
 template <typename T>
@@ -197,15 +212,6 @@ inline void rotate_head(const T* src, T* dst, const T* c, const T* s, int64_t ha
   }
 }
 
-// A [B, H, S, Dh] tensor's data and strides (any, but Dh contiguous): SDPA's gradients come strided.
-template <typename T>
-struct Heads {
-  T* data;
-  int64_t b, h, s;
-  Heads(const at::Tensor& t) : data(t.data_ptr<T>()), b(t.stride(0)), h(t.stride(1)), s(t.stride(2)) {}
-  T* at(int64_t bb, int64_t hh, int64_t ss) const { return data + bb * b + hh * h + ss * s; }
-};
-
 template <typename T>
 void rotary_kernel(T* rows_in, const Heads<T>& q, const Heads<T>& k, const Heads<T>& v, const T* cos, const T* sin,
                    int64_t B, int64_t S, int64_t H, int64_t Dh, bool backward) {
@@ -256,13 +262,12 @@ std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tens
 // dq, dk, dv: any strides with Dh contiguous (SDPA's CPU backward returns them [B, T, H, Dh]-strided).
 at::Tensor rotary_qkv_backward(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& cos,
                                const at::Tensor& neg_sin) {
-  for (auto* t : {&dq, &dk, &dv}) {
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && (t->stride(3) == 1 || t->numel() == 0), "dq, dk and dv must be CPU [B, H, T, Dh] "
-                "with the last dimension contiguous");
-  }
+  check_heads(dq, "dq");
+  check_heads(dk, "dk");
+  check_heads(dv, "dv");
   check_cpu(cos, "cos");
   check_cpu(neg_sin, "neg_sin");
-  TORCH_CHECK(dq.dim() == 4 && dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), "dq, dk, dv must be [B, H, T, Dh]");
+  TORCH_CHECK(dk.sizes() == dq.sizes() && dv.sizes() == dq.sizes(), "dq, dk and dv must have one shape");
   TORCH_CHECK(dk.scalar_type() == dq.scalar_type() && dv.scalar_type() == dq.scalar_type() &&
                   cos.scalar_type() == dq.scalar_type() && neg_sin.scalar_type() == dq.scalar_type(),
               "dq, dk, dv, cos and sin must share a dtype");
@@ -300,22 +305,18 @@ void rotary_qkv_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == S, "slot indices must be int64 [S]");
   TORCH_CHECK(qs.size() == ks.size() && qs.size() == vs.size(), "one q, k and v per bucket");
   for (const auto* list : {&qs, &ks, &vs})
-    for (const auto& t : *list)
-      TORCH_CHECK(t.dim() == 4 && t.size(1) == H && t.size(3) == Dh && (t.stride(3) == 1 || t.numel() == 0) &&
-                      t.scalar_type() == qkv.scalar_type(), "bucket tensors must be [n, H, kmax, Dh]");
+    for (const auto& t : *list) {
+      check_heads(t, "a bucket tensor");
+      TORCH_CHECK(t.size(1) == H && t.size(3) == Dh && t.scalar_type() == qkv.scalar_type(),
+                  "bucket tensors must be [n, H, kmax, Dh] in qkv's dtype");
+    }
   const int64_t* src = source.data_ptr<int64_t>();
   const int64_t* bkt = bucket.data_ptr<int64_t>();
   const int64_t* sq = seq.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
   dispatch(qkv.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    struct Dest { T* data; int64_t seq, head, pos; };  // a bucket tensor's base and strides
-    auto dests = [](const std::vector<at::Tensor>& list) {
-      std::vector<Dest> out;
-      for (const auto& t : list) out.push_back({t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)});
-      return out;
-    };
-    const std::vector<Dest> dq = dests(qs), dk = dests(ks), dv = dests(vs);
+    const std::vector<Heads<T>> dq(qs.begin(), qs.end()), dk(ks.begin(), ks.end()), dv(vs.begin(), vs.end());
     const T* in = qkv.data_ptr<T>();
     const T* cs = cos.data_ptr<T>();
     const T* sn = sin.data_ptr<T>();
@@ -326,10 +327,9 @@ void rotary_qkv_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::
         TORCH_CHECK(r >= 0 && r < N && b >= 0 && b < buckets, "slot index out of range");
         const T* row = in + r * 3 * H * Dh;
         for (int64_t hh = 0; hh < H; ++hh) {
-          auto at = [&](const Dest& d) { return d.data + sq[s] * d.seq + hh * d.head + ps[s] * d.pos; };
-          rotate_head<T>(row + hh * Dh, at(dq[b]), cs + r * half, sn + r * half, half);
-          rotate_head<T>(row + (H + hh) * Dh, at(dk[b]), cs + r * half, sn + r * half, half);
-          std::copy(row + (2 * H + hh) * Dh, row + (2 * H + hh + 1) * Dh, at(dv[b]));
+          rotate_head<T>(row + hh * Dh, dq[b].at(sq[s], hh, ps[s]), cs + r * half, sn + r * half, half);
+          rotate_head<T>(row + (H + hh) * Dh, dk[b].at(sq[s], hh, ps[s]), cs + r * half, sn + r * half, half);
+          std::copy(row + (2 * H + hh) * Dh, row + (2 * H + hh + 1) * Dh, dv[b].at(sq[s], hh, ps[s]));
         }
       }
     });
@@ -343,11 +343,12 @@ at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& buc
   TORCH_CHECK(!ys.empty(), "no bucket tensors");
   const auto dtype = ys[0].scalar_type();
   const int64_t H = ys[0].size(1), Dh = ys[0].size(3), N = bucket.numel();
-  for (const auto& t : ys)
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.size(1) == H && t.size(3) == Dh &&
-                    (t.stride(3) == 1 || t.numel() == 0) &&
-                    t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
-                "bucket outputs must be float32 / bf16 CPU [n, H, kmax, Dh] of one dtype");
+  for (const auto& t : ys) {
+    check_heads(t, "a bucket output");
+    TORCH_CHECK(t.size(1) == H && t.size(3) == Dh && t.scalar_type() == dtype &&
+                    (dtype == at::kFloat || dtype == at::kBFloat16),
+                "bucket outputs must be float32 / bf16 [n, H, kmax, Dh] of one dtype");
+  }
   for (const auto* t : {&bucket, &seq, &pos})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == N, "row indices must be int64 [N]");
   at::Tensor out = at::empty({N, H, Dh}, ys[0].options().memory_format(at::MemoryFormat::Contiguous));
@@ -356,18 +357,17 @@ at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& buc
   const int64_t* ps = pos.data_ptr<int64_t>();
   dispatch(dtype, [&](auto tag) {
     using T = decltype(tag);
-    struct Src { const T* data; int64_t seq, head, pos; };
-    std::vector<Src> src;
-    for (const auto& t : ys) src.push_back({t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2)});
+    const std::vector<Heads<T>> src(ys.begin(), ys.end());
     T* o = out.data_ptr<T>();
     const int64_t buckets = static_cast<int64_t>(ys.size());
     at::parallel_for(0, N, grain(H * Dh), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t b = bkt[r];
         TORCH_CHECK(b >= 0 && b < buckets, "bucket index out of range");
-        const Src& y = src[b];
-        const T* base = y.data + sq[r] * y.seq + ps[r] * y.pos;
-        for (int64_t hh = 0; hh < H; ++hh) std::copy(base + hh * y.head, base + hh * y.head + Dh, o + (r * H + hh) * Dh);
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const T* head = src[b].at(sq[r], hh, ps[r]);
+          std::copy(head, head + Dh, o + (r * H + hh) * Dh);
+        }
       }
     });
   });
@@ -506,19 +506,18 @@ inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t rows
         for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c) dst[c * rows + r] = src[r * ld_src + c];
 }
 
-struct HeadView {  // a [B, H, T, Dh] tensor's head (b, h): rows `row` apart, Dh contiguous
+struct HeadView {  // one head (b, h) of a float32 [B, H, T, Dh] tensor: rows `row` apart
   float* data;
   int64_t row;
 };
 
-inline HeadView head_of(const at::Tensor& t, int64_t bh, int64_t H) {
-  return {t.data_ptr<float>() + (bh / H) * t.stride(0) + (bh % H) * t.stride(1), t.stride(2)};
+inline HeadView head_of(const Heads<float>& t, int64_t bh, int64_t H) {
+  return {t.at(bh / H, bh % H, 0), t.s};
 }
 
-void check_heads(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.sizes() == like.sizes() &&
-                  (t.stride(3) == 1 || t.numel() == 0), name, " must be a float32 CPU [B, H, T, Dh] tensor with "
-              "its last dimension contiguous, shaped like q");
+void check_f32_heads(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  check_heads(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == like.sizes(), name, " must be float32, shaped like q");
 }
 
 // Probabilities of one query block [rows a..b) against keys [0, b): p = exp(scale * s - lse), causal.
@@ -533,17 +532,18 @@ inline void block_probs(float* p, int64_t a, int64_t b, float scale, const float
 }
 
 std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  check_heads(q, "q", q);
-  check_heads(k, "k", q);
-  check_heads(v, "v", q);
+  check_f32_heads(q, "q", q);
+  check_f32_heads(k, "k", q);
+  check_f32_heads(v, "v", q);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
   at::Tensor out = at::empty({B, H, T, Dh}, q.options());
   at::Tensor lse = at::empty({B, H, T}, q.options());
+  const Heads<float> qh(q), kh(k), vh(v), oh(out);
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> kt(Dh * T), scores(kQueryBlock * T);
     for (int64_t bh = h0; bh < h1; ++bh) {
-      const HeadView Q = head_of(q, bh, H), K = head_of(k, bh, H), V = head_of(v, bh, H), O = head_of(out, bh, H);
+      const HeadView Q = head_of(qh, bh, H), K = head_of(kh, bh, H), V = head_of(vh, bh, H), O = head_of(oh, bh, H);
       float* L = lse.data_ptr<float>() + bh * T;
       transpose(K.data, K.row, kt.data(), T, Dh);
       for (int64_t a = 0; a < T; a += kQueryBlock) {
@@ -573,17 +573,18 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::
 std::vector<at::Tensor> causal_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse) {
   for (const auto& [t, name] : {std::pair{&grad, "grad"}, {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
-    check_heads(*t, name, q);
+    check_f32_heads(*t, name, q);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == B * H * T, "lse must be [B, H, T]");
   const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
   at::Tensor dq = at::empty({B, H, T, Dh}, q.options()), dk = at::empty_like(dq), dv = at::empty_like(dq);
+  const Heads<float> gh(grad), qh(q), kh(k), vh(v), oh(out), dqh(dq), dkh(dk), dvh(dv);
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> kt(Dh * T), vt(Dh * T), qt(Dh * T), got(Dh * T), dkt(Dh * T), dvt(Dh * T), delta(T),
         p(kQueryBlock * T), dp(kQueryBlock * T);
     for (int64_t bh = h0; bh < h1; ++bh) {
-      const HeadView G = head_of(grad, bh, H), Q = head_of(q, bh, H), K = head_of(k, bh, H), V = head_of(v, bh, H),
-                     O = head_of(out, bh, H), DQ = head_of(dq, bh, H), DK = head_of(dk, bh, H), DV = head_of(dv, bh, H);
+      const HeadView G = head_of(gh, bh, H), Q = head_of(qh, bh, H), K = head_of(kh, bh, H), V = head_of(vh, bh, H),
+                     O = head_of(oh, bh, H), DQ = head_of(dqh, bh, H), DK = head_of(dkh, bh, H), DV = head_of(dvh, bh, H);
       const float* L = lse.data_ptr<float>() + bh * T;
       transpose(K.data, K.row, kt.data(), T, Dh);
       transpose(V.data, V.row, vt.data(), T, Dh);

@@ -107,8 +107,8 @@ class _CausalAttentionF32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        grad = grad if grad.stride(-1) == 1 else grad.contiguous()  # any other strides are read in place
-        return tuple(cpu.load().causal_attention_backward(grad, q, k, v, out, lse))
+        # the out-projection's backward hands grad over [B, T, H, Dh]-strided: read in place
+        return tuple(cpu.load().causal_attention_backward(cpu.rows(grad), q, k, v, out, lse))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

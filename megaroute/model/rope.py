@@ -105,9 +105,8 @@ class _SplitQKVRotary(torch.autograd.Function):
         neg_sin = -sin
         # The kernel reads gradients with any strides whose last dimension is contiguous: SDPA's are
         # [B, T, H, Dh]-strided on CPU, and copying them would cost 3 passes a layer.
-        grads = [t if t.stride(-1) == 1 else t.contiguous() for t in (dq, dk, dv)]
-        same = all(t.dtype == cos.dtype and t.device == cos.device for t in grads)
-        kernels = cpu.usable(cos, neg_sin) if same and cos.shape == (B, T, 1, Dh // 2) else None
+        grads = [cpu.rows(t) for t in (dq, dk, dv)]
+        kernels = cpu.usable(cos, neg_sin, strided=grads) if cos.shape == (B, T, 1, Dh // 2) else None
         if kernels is not None:
             return kernels.rotary_qkv_backward(*grads, cos, neg_sin), None, None
         grad = torch.empty(B, T, 3, H, Dh, dtype=dv.dtype, device=dv.device)

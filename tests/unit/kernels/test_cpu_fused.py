@@ -117,6 +117,11 @@ def test_usable_only_for_contiguous_float32_or_bf16_cpu_tensors(kernels):
     assert cpu.usable(x, x.bfloat16()) is None  # mixed dtypes
     assert cpu.usable(x.t()) is None and cpu.usable(x.double()) is None and cpu.usable(x.half()) is None
     assert cpu.usable(x) is kernels and cpu.usable(x.bfloat16()) is kernels
+    heads = torch.randn(2, 5, 3, 4).transpose(1, 2)  # [B, H, T, Dh] viewed from [B, T, H, Dh]
+    assert cpu.usable(heads) is None and cpu.usable(x, strided=(heads,)) is kernels
+    assert cpu.usable(x, strided=(heads.transpose(2, 3),)) is None  # last dimension not contiguous
+    assert cpu.usable(x, strided=(heads.bfloat16(),)) is None
+    assert cpu.rows(heads) is heads and cpu.rows(heads.transpose(2, 3)).is_contiguous()
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -152,7 +157,7 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
     monkeypatch.setattr(cpu, "load", lambda: proxy)
     fused = loss_and_grads()
     assert sorted(calls) == sorted(names)
-    monkeypatch.setattr(cpu, "usable", lambda *tensors: None)
+    monkeypatch.setattr(cpu, "usable", lambda *tensors, **options: None)
     eager = loss_and_grads()
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[1], eager[1]):
@@ -179,7 +184,7 @@ def test_varlen_attention_kernels_match_the_eager_buckets(kernels, monkeypatch, 
         with torch.no_grad():
             fused = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
             assert calls, "the kernel path did not run"
-            monkeypatch.setattr(cpu, "usable", lambda *tensors: None)
+            monkeypatch.setattr(cpu, "usable", lambda *tensors, **options: None)
             eager = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
         monkeypatch.undo()
         _same(fused, eager, exact=dtype == torch.bfloat16)

@@ -25,7 +25,7 @@ from megaroute.model.lm_loss import IGNORE_INDEX, chunked_cross_entropy, linear_
 @contextlib.contextmanager
 def cpu_kernels_off():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_kernels, "usable", lambda *tensors: None)
+        mp.setattr(cpu_kernels, "usable", lambda *tensors, **options: None)
         yield
 
 
@@ -236,7 +236,7 @@ def test_swiglu_function_matches_plain_ops(monkeypatch, dtype, kernels):
             pytest.skip(f"no fused CPU kernels here: {cpu_kernels.unavailable_reason()}")
         assert cpu_kernels.load() is not None  # buildable here, so a failed build fails
     else:
-        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: None)
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors, **options: None)
     mlp = SwiGLU(12, 20).to(dtype)
     x = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)
     g = torch.randn(2, 5, 12, dtype=dtype)
