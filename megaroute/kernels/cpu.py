@@ -6,6 +6,8 @@
     rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
     causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
                                           (built where torch's headers declare the float32 brgemm)
+    cross_entropy_rows                    the LM loss's softmax passes, model/lm_loss.py's
+                                          _LinearCrossEntropy (per row: loss, and the gradient in place)
 
 Eager torch runs the first four as several elementwise passes with fresh temporaries (SwiGLU's
 backward: three passes and a temporary; RoPE: eight strided passes 32 values wide; RMSNorm: five

@@ -10,6 +10,7 @@
 //                                        gather fused with RoPE, and the unpadding
 //   causal_attention_forward / _backward float32 causal attention per head through oneDNN's brgemm
 //                                        (attention._CausalAttentionF32; see its section below)
+//   cross_entropy_rows                   lm_loss._LinearCrossEntropy: per row, the loss and its gradient
 // Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
 // RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
 // Built with -ffp-contract=off: a fused multiply-add would round differently from the eager ops.
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -486,6 +488,94 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
   return {grad_x, parts.sum(0).to(weight.scalar_type())};
 }
 
+// ----------------------------------------------------------------------------- LM cross-entropy rows
+
+// n (0..kStep) elements as two float vectors, lanes past n set to fill.
+template <typename T>
+inline void load_fill(const T* p, int64_t n, float fill, fVec& a, fVec& b) {
+  load(p, n, a, b);
+  if (n >= kStep) return;
+  a = fVec::set(fVec(fill), a, std::min(n, kF));
+  b = fVec::set(fVec(fill), b, std::max<int64_t>(0, n - kF));
+}
+
+inline float hmax(const fVec& a, const fVec& b) {
+  return at::vec::vec_reduce_all<float>([](fVec x, fVec y) { return at::vec::maximum(x, y); },
+                                        at::vec::maximum(a, b));
+}
+
+// Per row r of logits [n, V]: losses[r] = logsumexp(row) - row[target[r]], in float32. With keep
+// (a gradient is wanted) the row becomes (softmax(row) - onehot(target)) * keep[r], rounded once to
+// T. Per row, which stays in cache: its max; exp(row - max) into a float32 scratch row, summed; the
+// scaled gradient from the scratch (exp is the costly part: it runs once per element). This replaces
+// the tile loop's copies, exp, reductions and scatter (lm_loss._LinearCrossEntropy).
+template <typename T>
+void cross_entropy_rows_kernel(T* logits, const int64_t* target, const float* keep, float* losses, int64_t n,
+                               int64_t V) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, grain(3 * V), [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(keep == nullptr ? 0 : V);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* row = logits + r * V;
+      fVec m0(kNegInf), m1(kNegInf);
+      for (int64_t i = 0; i < V; i += kStep) {
+        fVec a, b;
+        load_fill(row + i, std::min(kStep, V - i), kNegInf, a, b);
+        m0 = at::vec::maximum(m0, a);
+        m1 = at::vec::maximum(m1, b);
+      }
+      const float peak = hmax(m0, m1);
+      const fVec vpeak(peak);
+      const int64_t t = target[r];
+      const float target_logit = static_cast<float>(row[t]);
+      fVec s0(0.f), s1(0.f);
+      for (int64_t i = 0; i < V; i += kStep) {
+        const int64_t m = std::min(kStep, V - i);
+        fVec a, b;
+        load_fill(row + i, m, kNegInf, a, b);
+        a = (a - vpeak).exp();
+        b = (b - vpeak).exp();
+        s0 = s0 + a;
+        s1 = s1 + b;
+        if (keep != nullptr) store(scratch.data() + i, m, a, b);
+      }
+      const float total = hsum(s0, s1);
+      losses[r] = std::log(total) + peak - target_logit;
+      if (keep == nullptr) continue;
+      const fVec scale(keep[r] / total);
+      for (int64_t i = 0; i < V; i += kStep) {
+        const int64_t m = std::min(kStep, V - i);
+        fVec a, b;
+        load(scratch.data() + i, m, a, b);
+        store(row + i, m, a * scale, b * scale);
+      }
+      row[t] = static_cast<T>(scratch[t] * (keep[r] / total) - keep[r]);  // minus the one-hot, rounded once
+    }
+  });
+}
+
+void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& target, const c10::optional<at::Tensor>& keep,
+                        const at::Tensor& losses) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [n, V] with V > 0");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == n,
+              "target must be n contiguous int64 indices");
+  TORCH_CHECK(losses.scalar_type() == at::kFloat && losses.is_contiguous() && losses.numel() == n,
+              "losses must be n contiguous float32 values");
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->scalar_type() == at::kFloat && keep->is_contiguous() && keep->numel() == n,
+                "keep must be n contiguous float32 values");
+  }
+  const int64_t* tp = target.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "target ", tp[r], " out of range [0, ", V, ")");
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    cross_entropy_rows_kernel<T>(logits.data_ptr<T>(), tp, keep.has_value() ? keep->data_ptr<float>() : nullptr,
+                                 losses.data_ptr<float>(), n, V);
+  });
+}
+
 #ifdef CPUBLAS_BRGEMM_F32F32F32
 // ------------------------------------------------------------------------- float32 causal attention
 // Per head (parallel over B * H), flash-style: queries in blocks of kQueryBlock rows, each against the
@@ -638,4 +728,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");
+  m.def("cross_entropy_rows", &cross_entropy_rows, py::arg("logits"), py::arg("target"), py::arg("keep"),
+        py::arg("losses"), "per-row CE into losses; with keep, logits become (softmax - onehot) * keep in place");
 }

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megaroute.kernels import cpu
 from megaroute.config import load_config
-from megaroute.model import build_model
+from megaroute.model import ForwardOptions, build_model
 from megaroute.model.attention import CausalSelfAttention, causal_attention
 from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
 
@@ -112,6 +112,45 @@ def test_rms_norm_matches_float32_reference(kernels, x_dtype, w_dtype, rows, D):
     torch.testing.assert_close(gw.float(), ref_gw, rtol=wtol, atol=wtol * max(1.0, ref_gw.abs().max().item()))
 
 
+def _eager_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor):
+    """lm_loss's eager tile loop: per-row losses and (softmax - onehot) * keep, rounded once to logits' dtype."""
+    p = logits.to(torch.float32, copy=True)
+    peak = p.amax(dim=-1, keepdim=True)
+    total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
+    losses = (total.log() + peak).squeeze(1) - logits.gather(1, target.unsqueeze(1)).squeeze(1).float()
+    grad = p.mul_(keep.unsqueeze(1) / total).scatter_add_(1, target.unsqueeze(1), -keep.unsqueeze(1))
+    return losses, grad.to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,V", [(3, 1), (5, 7), (4, 37), (0, 16), (300, 1000)])
+def test_cross_entropy_rows_matches_the_eager_tile_loop(kernels, dtype, rows, V):
+    logits = (4 * torch.randn(rows, V)).to(dtype)
+    target = torch.randint(0, V, (rows,))
+    if rows:
+        target[-1] = V - 1  # the last element: in the ragged tail when V is not a multiple of the step
+    keep = torch.rand(rows)
+    keep[::3] = 0.0  # ignored rows: no gradient
+    ref_losses, ref_grad = _eager_cross_entropy_rows(logits, target, keep)
+    losses = torch.empty(rows)
+    plain = logits.clone()
+    kernels.cross_entropy_rows(plain, target, None, losses)  # the loss alone leaves the logits as they are
+    assert torch.equal(plain, logits)
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-6, atol=2e-6)
+    kernels.cross_entropy_rows(plain, target, keep, losses)  # with keep: the rows become their gradient
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-6, atol=2e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(plain, ref_grad, rtol=2e-6, atol=1e-7)
+    else:  # one bf16 rounding of float32 values that may differ in their last bits (the sum's order)
+        torch.testing.assert_close(plain.float(), ref_grad.float(), rtol=8e-3, atol=1e-6)
+    assert not plain[::3].any()
+
+
+def test_cross_entropy_rows_refuses_targets_out_of_range(kernels):
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.cross_entropy_rows(torch.randn(2, 5), torch.tensor([1, 5]), None, torch.empty(2))
+
+
 def test_usable_only_for_contiguous_float32_or_bf16_cpu_tensors(kernels):
     x = torch.randn(4, 6)
     assert cpu.usable(x, x.bfloat16()) is None  # mixed dtypes
@@ -130,8 +169,8 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypatch):
-    """A dense model's forward and backward call each kernel (no silent fallback), and give the
-    values and gradients of the same model with the kernels off."""
+    """A dense model's training forward (the LM head inside the loss) and backward call each kernel
+    (no silent fallback), and give the values and gradients of the same model with the kernels off."""
     cfg = load_config(None, ["model.d_model=48", "model.n_layers=2", "model.n_heads=4", "data.seq_len=16",
                              "model.max_seq_len=16", "model.vocab_size=64", "data.tokenizer.vocab_size=64"])
     torch.manual_seed(0)
@@ -140,7 +179,7 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
-        loss = model(tokens, tokens).loss
+        loss = model(tokens, tokens, options=ForwardOptions(return_logits=False)).loss
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -152,7 +191,7 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
             return getattr(kernels, name)(*args)
         return call
 
-    names = [n for n in dir(kernels) if n.endswith(("_forward", "_backward"))]
+    names = [n for n in dir(kernels) if n.endswith(("_forward", "_backward")) or n == "cross_entropy_rows"]
     proxy = types.SimpleNamespace(**{n: counted(n) for n in names})
     monkeypatch.setattr(cpu, "load", lambda: proxy)
     fused = loss_and_grads()

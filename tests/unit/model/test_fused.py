@@ -102,14 +102,18 @@ def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, he
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "eager"])
 @pytest.mark.parametrize("dtype,autocast,tol", [(torch.float32, False, 1e-6), (torch.float64, False, 1e-12),
                                                 (torch.float32, True, 1e-2), (torch.bfloat16, False, 1e-2)])
-def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol):
+def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol, kernels):
     """The LM head inside the loss against F.linear then F.cross_entropy on float32 (float64) copies
     of the logits, over several chunks and tiles, with ignored targets: loss, grad_h, grad_weight,
-    their dtypes, and the incoming gradient's scale (a loss scaled by 3)."""
+    their dtypes, and the incoming gradient's scale (a loss scaled by 3); with the CPU kernels' row
+    pass (kernels/cpu.py, where built) and with the eager tile loop."""
     monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)  # matmul chunks of 4 rows: 4, 4, 2
     monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # softmax tiles of 3 rows: partial ones in each chunk
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors, **options: None)
     h = torch.randn(2, 5, 6, dtype=dtype, requires_grad=True)
     weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5))
