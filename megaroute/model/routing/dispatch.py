@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import check_backend, reference, resolve
+from ...kernels import check_backend, resolve
 
 
 def capacity_k(seq_len: int, capacity: float) -> int:
@@ -63,10 +63,6 @@ class Dispatcher:
 
     def __repr__(self) -> str:
         return f"Dispatcher({self.backend!r})"
-
-    def is_reference(self, device: torch.device) -> bool:
-        """Whether tensors on `device` take the pure-PyTorch reference (whose ops a layer may fuse)."""
-        return resolve(self.backend, device) is reference
 
     def gather(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return resolve(self.backend, x.device).gather(x, idx)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ...config import ModelConfig, RoutingConfig
 from ..block import TransformerBlock
@@ -50,54 +49,6 @@ class Router(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def fusable(self) -> bool:
-        """Whether `topk_dispatch` may stand in for the module call: no bias, the class's own forward, no
-        hook on this module (a hook expects the logits alone; DeepSpeed's ZeRO-3 hooks gather the
-        weight, so under ZeRO-3 the plain call runs) and no Python dispatch mode (FlopCounterMode
-        attributes the router's matmuls to this module and counts the backward's as matmuls)."""
-        return (self.bias is None and "forward" not in vars(self)
-                and not (self._forward_hooks or self._forward_pre_hooks) and _get_current_dispatch_mode() is None)
-
-    def topk_dispatch(self, x: torch.Tensor, k: int):
-        """_TopkDispatch: (logits, xs, base, idx) of each row's top-k tokens by this router's logits."""
-        with torch.autocast(x.device.type, enabled=False):
-            return _TopkDispatch.apply(x, self.weight.to(x.dtype), k)
-
-
-class _TopkDispatch(torch.autograd.Function):
-    """x [B, T, D], w [1, D], k -> (logits [B, T] = router(x), xs = x[b, idx] [B, k, D], base = x in the
-    combine's float32 (or wider) accumulation dtype, idx [B, k]: each row's top-k, ascending).
-
-    The combine then adds the update into `base` in place. Apart, x's gradient is the sum of three
-    full [B, T, D] tensors that autograd adds: the combine's pass-through, the gather's backward (a
-    zero-filled tensor, scattered into) and the router's outer product; here it is one pass (grad_base
-    + grad_logits x w, then the k rows scattered in): a bf16 MoD step at nanoGPT's shape
-    saves ~1 ms per routed layer (2 threads). Values match the separate ops up to the order of that
-    sum's additions; the logits and the router's weight gradient use the same ops as F.linear.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w, k):
-        B, T, D = x.shape
-        logits = F.linear(x, w).squeeze(-1)
-        idx = dispatch.topk_indices(logits, k)
-        index = idx.unsqueeze(-1).expand(-1, -1, D)
-        base = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
-        ctx.save_for_backward(x, w, index)
-        ctx.mark_non_differentiable(idx)
-        return logits, x.gather(1, index), base, idx
-
-    @staticmethod
-    def backward(ctx, grad_logits, grad_xs, grad_base, _):
-        x, w, index = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.addcmul(grad_base, grad_logits.unsqueeze(-1), w.view(-1))
-            grad_x = grad_x.scatter_add_(1, index, grad_xs.to(grad_x.dtype)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_logits.reshape(1, -1).mm(x.reshape(-1, x.shape[-1]))  # F.linear's weight gradient
-        return grad_x, grad_w, None
 
 
 class CausalPredictor(nn.Module):
@@ -131,53 +82,32 @@ class MoDLayer(nn.Module):
         return self.predictor(x) if self.predictor is not None else router_logits
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
-        if (not ctx.causal and not ctx.hooked(name) and pos.kv is None and self.dispatcher.is_reference(x.device)
-                and self.router.fusable()):
-            # training top-k on the torch backend: routing, gather and combine around one node (_TopkDispatch)
-            T = x.shape[1]
-            logits, xs, base, idx = self.router.topk_dispatch(x, dispatch.capacity_k(T, self.capacity))
-            self._train_deciders(x, logits, idx, ctx, name)
-            weight = self._weights(logits, idx, None, ctx, name)
-            delta = self.block.update(xs, pos.select(idx))
-            update = weight.to(base.dtype).unsqueeze(-1) * delta.to(base.dtype)
-            return base.scatter_add_(1, idx.unsqueeze(-1).expand_as(update), update).to(x.dtype)
         idx, valid, weight = self.select(x, ctx, name)
         return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
 
     def select(self, x: torch.Tensor, ctx: RoutingContext, name: str):
         """The routing decision: (idx [B, k], valid [B, k] or None, weight [B, k] = g(router logit)).
         MoDE (moe.py) reuses it with a different block update."""
-        T = x.shape[1]
+        B, T, _ = x.shape
         logits = self.router(x).squeeze(-1)
+        causal = self.causal_logits(x, logits)
         if not ctx.causal:
-            idx, valid = dispatch.topk_indices(logits, dispatch.capacity_k(T, self.capacity)), None
-            self._train_deciders(x, logits, idx, ctx, name)
+            k = dispatch.capacity_k(T, self.capacity)
+            idx, valid = dispatch.topk_indices(logits, k), None
+            self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
+            if self.training and torch.is_grad_enabled():
+                self.cut.update(causal, k / T)
         else:
-            causal = self.causal_logits(x, logits)
             if ctx.calibrate:
                 self.cut.observe(causal, dispatch.capacity_k(T, self.capacity) / T)
             idx, valid = dispatch.mask_indices(self.cut(causal))
         idx, valid = ctx.route_indices(name, idx, valid, T)
-        return idx, valid, self._weights(logits, idx, valid, ctx, name)
-
-    def _train_deciders(self, x: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor, ctx: RoutingContext,
-                        name: str) -> None:
-        """Top-k training: the causal decider's loss toward this top-k membership, and its quantile cut."""
-        T = x.shape[1]
-        causal = self.causal_logits(x, logits)
-        self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
-        if self.training and torch.is_grad_enabled():
-            self.cut.update(causal, idx.shape[1] / T)
-
-    def _weights(self, logits: torch.Tensor, idx: torch.Tensor, valid, ctx: RoutingContext, name: str) -> torch.Tensor:
-        """The routed tokens' weights g(logit), after recording the layer's statistics."""
-        B, T = logits.shape
         selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
         ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
-        return self.weight_fn(logits.gather(1, idx))
+        return idx, valid, self.weight_fn(logits.gather(1, idx))
 
     def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
         target = selected.to(logits.dtype)

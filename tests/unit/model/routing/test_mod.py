@@ -7,7 +7,6 @@ with original positions -> block update -> combine once, weighted by g(router lo
 from __future__ import annotations
 
 import collections
-import copy
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from megaroute.kernels import reference
 from megaroute.model import ForwardOptions, build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions
-from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch, mod
+from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
 
 MOD = ("routing.method=mod", "routing.every=2", "routing.offset=1")  # layers 1 and 3 routed of 4
 
@@ -560,50 +559,3 @@ def test_router_scores_in_the_residual_streams_precision_under_autocast(make_mod
     assert x.grad.dtype == torch.float32 and router.weight.grad.dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert router(x.detach().bfloat16()).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("precision", ["fp32", "autocast-bf16", "bf16"])
-@pytest.mark.parametrize("gate", ["identity", "sigmoid"])
-def test_fused_topk_dispatch_matches_the_plain_path(make_layer, precision, gate):
-    """Training top-k runs routing, gather and combine around one autograd node (mod._TopkDispatch); a
-    hook on the router (hooks expect the logits alone) keeps the plain path: router call, gather, block,
-    combine. Same outputs, statistics, aux losses, quantile cut and gradients (x and every parameter),
-    up to the order of x's gradient sum."""
-    fused, rope, cfg = make_layer("routing.capacity=0.3", f"routing.router_weight={gate}",
-                                  "routing.causal_method=aux_loss")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    fused.to(dtype)
-    plain = copy.deepcopy(fused)  # the quantile cut is state: each path updates its own
-    plain.router.register_forward_hook(lambda module, inputs, output: None)
-    assert fused.router.fusable() and not plain.router.fusable()
-    x = torch.randn(3, 11, cfg.model.d_model, dtype=dtype)
-    gy = torch.randn_like(x)
-
-    def run(layer):
-        xr = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"):
-            out, ctx = run_layer(layer, rope, xr)
-        torch.autograd.backward([out, sum(ctx.aux_losses.values())], [gy, None])
-        return out.detach(), ctx, [xr.grad] + [p.grad for p in layer.parameters()]
-
-    calls = collections.Counter()
-    original = mod._TopkDispatch.apply
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mod._TopkDispatch, "apply", lambda *a: calls.update(["fused"]) or original(*a))
-        fused_out, fused_ctx, fused_grads = run(fused)
-        plain_out, plain_ctx, plain_grads = run(plain)
-    assert calls["fused"] == 1  # the first layer only
-    assert fused_out.dtype == plain_out.dtype == dtype
-    torch.testing.assert_close(fused_out, plain_out, rtol=0, atol=0)  # the forward: the same ops
-    assert fused_ctx.stats.keys() == plain_ctx.stats.keys()
-    for key in fused_ctx.stats:
-        torch.testing.assert_close(fused_ctx.stats[key], plain_ctx.stats[key], rtol=0, atol=0)
-    assert fused_ctx.aux_losses.keys() == plain_ctx.aux_losses.keys() and fused_ctx.aux_losses
-    for key in fused_ctx.aux_losses:
-        torch.testing.assert_close(fused_ctx.aux_losses[key], plain_ctx.aux_losses[key], rtol=0, atol=0)
-    torch.testing.assert_close(fused.cut.threshold, plain.cut.threshold, rtol=0, atol=0)
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    assert len(fused_grads) == len(plain_grads)
-    for a, b in zip(fused_grads, plain_grads):
-        assert a is not None and b is not None and a.dtype == b.dtype
-        torch.testing.assert_close(a, b, **tol)
