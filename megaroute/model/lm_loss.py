@@ -144,7 +144,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             tile = tile_rows(rows, V)
             logits = torch.mm(hc, wc.t()) if whole else torch.empty(rows, V, dtype=dtype, device=h.device)
             losses = torch.empty(N, dtype=_math_dtype(dtype), device=h.device)
-            kernels = cpu.usable(logits) if N else None  # float32 / bf16 logits; keep and losses then float32
+            kernels = cpu.usable(logits) if N and V else None  # float32 / bf16 logits; keep and losses then float32
             work = None if dtype == _math_dtype(dtype) or kernels else torch.empty(tile, V, dtype=torch.float32,
                                                                                    device=h.device)
             if wants_grad and not whole:
