@@ -98,6 +98,30 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     return loss.sum() / (flat != IGNORE_INDEX).sum()
 
 
+def _cross_entropy_tiles(logits: torch.Tensor, safe: torch.Tensor, keep, losses: torch.Tensor, tile: int,
+                         work) -> None:
+    """The softmax passes of _LinearCrossEntropy in eager ops (the CPU kernel's cross_entropy_rows is
+    held to them), a cache-sized tile of rows at a time: losses [n] = logsumexp - target logit of
+    logits [n, V] (targets safe [n, 1]); with keep [n, 1] (a gradient is wanted) the rows become
+    (softmax - onehot) * keep, rounded once to the logits' dtype. `work`: a float32 [tile, V] buffer
+    for 16-bit logits; None works in place in float32 logits (whose rows are then overwritten)."""
+    for a in range(0, logits.shape[0], tile):
+        b = min(logits.shape[0], a + tile)
+        lg = logits[a:b]
+        p = lg if work is None else work[:b - a]
+        target_logit = lg.gather(1, safe[a:b]).to(p.dtype)
+        if p is not lg:
+            p.copy_(lg)
+        peak = p.amax(dim=-1, keepdim=True)
+        total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
+        torch.sub(total.log().add_(peak), target_logit, out=losses[a:b].unsqueeze(1))
+        if keep is None:
+            continue
+        p.mul_(keep[a:b] / total).scatter_add_(1, safe[a:b], -keep[a:b])  # (softmax - onehot) / count
+        if p is not lg:
+            lg.copy_(p)  # the logits' rows become their gradient
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy (float32, or float64 for float64 math) of logits = h @ weight^T against
     targets (IGNORE_INDEX rows excluded), computed in `dtype` (autocast's, else h's), without the
@@ -153,24 +177,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, N, rows):
                 e = min(N, s + rows)
                 chunk = logits[s:e] if whole else torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
-                if kernels is not None:  # the tile loop below as one pass per row; the chunk becomes its gradient
+                if kernels is not None:  # one pass per row; with keep, the chunk becomes its gradient
                     kernels.cross_entropy_rows(chunk, safe[s:e].view(-1), keep[s:e].view(-1) if wants_grad else None,
                                                losses[s:e])
-                for a in range(s, e, tile) if kernels is None else ():  # a cache-sized tile of rows at a time
-                    b = min(e, a + tile)
-                    lg = chunk[a - s:b - s]
-                    p = lg if work is None else work[:b - a]
-                    target_logit = lg.gather(1, safe[a:b]).to(p.dtype)
-                    if p is not lg:
-                        p.copy_(lg)
-                    peak = p.amax(dim=-1, keepdim=True)
-                    total = p.sub_(peak).exp_().sum(dim=-1, keepdim=True)
-                    torch.sub(total.log().add_(peak), target_logit, out=losses[a:b].unsqueeze(1))
-                    if not wants_grad:
-                        continue
-                    p.mul_(keep[a:b] / total).scatter_add_(1, safe[a:b], -keep[a:b])  # (softmax - onehot) / count
-                    if p is not lg:
-                        lg.copy_(p)  # the logits' rows become their gradient
+                else:
+                    _cross_entropy_tiles(chunk, safe[s:e], keep[s:e] if wants_grad else None, losses[s:e], tile, work)
                 if wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     grad_w.addmm_(chunk.t(), hc[s:e])
