@@ -48,16 +48,23 @@ def _run(fn, inputs, grad_out):
 
 
 def _assert_parity(ops_fn, ref_fn, inputs):
-    """Same output and same input gradients (dtype and shape included) for one random grad_out."""
+    """Same output and same input gradients (dtype and shape included) for one random grad_out.
+    Reductions over D (combine's grad_g, unpermute's grad_w) sum in a different order than PyTorch,
+    so an fp32 gradient near zero may differ by ~1e-7 x sqrt(D) x |terms|: atol grows with D there
+    (at D 2304 on an H100 the compiled combine's grad_g differed by 1.8e-5)."""
     shape, out_dtype = (lambda o: (o.shape, o.dtype))(ref_fn(*inputs))
     grad_out = _rand(*shape, dtype=out_dtype, gen=torch.Generator().manual_seed(1))
     want, want_grads = _run(ref_fn, inputs, grad_out)
     got, got_grads = _run(ops_fn, inputs, grad_out)
-    assert got.dtype == want.dtype
+    assert got.dtype == want.dtype and got.device == want.device
     torch.testing.assert_close(got, want, **TOL[want.dtype])
+    D = inputs[0].shape[-1]
     for g, w in zip(got_grads, want_grads, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
-        torch.testing.assert_close(g, w, **TOL[w.dtype])
+        tol = dict(TOL[w.dtype])
+        if w.dtype == torch.float32:
+            tol["atol"] += 1e-7 * D ** 0.5 * 8
+        torch.testing.assert_close(g, w, **tol)
 
 
 # ----------------------------------------------------------------------------- forward + backward
