@@ -37,7 +37,7 @@ class GuardedAdamW(torch.optim.AdamW):
         # The flag lives where the parameters do (DeepSpeed has moved them to the engine's device),
         # which is what NCCL needs; a rank without grads still joins the collective.
         device = params[0].device if params else torch.device("cpu")
-        bad = torch.tensor(float(self.nonfinite_loss), device=device)
+        bad = torch.full((), float(self.nonfinite_loss), device=device)  # a fill: no host-to-device copy
         if grads:
             bad = torch.maximum(bad, (~torch.isfinite(_extremes(grads)).all()).float().to(device))
         self.nonfinite_loss = False

@@ -64,9 +64,9 @@ class CapacityBaselineLayer(nn.Module):
         return dispatch.mask_indices(mask)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
-        B, T, _ = x.shape
+        T = x.shape[1]
         idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
-        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        selected = dispatch.selected_fraction(idx, valid, T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
         return update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)

@@ -61,7 +61,7 @@ class QuantileCut(nn.Module):
     @torch.no_grad()
     def update(self, scores: torch.Tensor, keep: float) -> None:
         """Training: moves the threshold toward the cut that keeps fraction `keep` of these scores."""
-        m = self.momentum if self.updates > 0 else 0.0
+        m = (self.updates > 0).to(self.threshold.dtype) * self.momentum  # a tensor: no host sync on CUDA
         self._blend(quantile_cut(scores, keep), m)
         self.updates += 1
 
@@ -71,7 +71,7 @@ class QuantileCut(nn.Module):
         self._blend(quantile_cut(scores, keep), self.calibrated / (self.calibrated + 1))
         self.calibrated += 1
 
-    def _blend(self, cut: torch.Tensor, m: float) -> None:
+    def _blend(self, cut: torch.Tensor, m) -> None:
         # A non-finite batch (a skipped step's) must not poison the threshold; no host sync.
         new = m * self.threshold + (1 - m) * cut
         self.threshold.copy_(torch.where(torch.isfinite(new), new, self.threshold))

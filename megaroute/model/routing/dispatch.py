@@ -41,6 +41,14 @@ def mask_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, valid
 
 
+def selected_fraction(idx: torch.Tensor, valid, seq_len: int) -> torch.Tensor:
+    """Fraction of a [B, seq_len] batch's tokens that a selection idx [B, k] (valid [B, k] or None: all
+    real) routes through the block, as a 0-dim tensor on idx's device. torch.full rather than
+    new_tensor: a Python number copied to the GPU would wait for it (a host sync per layer)."""
+    count = valid.sum() if valid is not None else torch.full((), idx.numel(), device=idx.device)
+    return count / (idx.shape[0] * seq_len)
+
+
 def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     mask = torch.zeros(indices.shape[0], seq_len, dtype=torch.bool, device=indices.device)
     return mask.scatter_(1, indices, True)

@@ -88,7 +88,7 @@ class MoDLayer(nn.Module):
     def select(self, x: torch.Tensor, ctx: RoutingContext, name: str):
         """The routing decision: (idx [B, k], valid [B, k] or None, weight [B, k] = g(router logit)).
         MoDE (moe.py) reuses it with a different block update."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         logits = self.router(x).squeeze(-1)
         causal = self.causal_logits(x, logits)
         if not ctx.causal:
@@ -102,7 +102,7 @@ class MoDLayer(nn.Module):
                 self.cut.observe(causal, dispatch.capacity_k(T, self.capacity) / T)
             idx, valid = dispatch.mask_indices(self.cut(causal))
         idx, valid = ctx.route_indices(name, idx, valid, T)
-        selected = (valid.sum() if valid is not None else idx.new_tensor(idx.numel())) / (B * T)
+        selected = dispatch.selected_fraction(idx, valid, T)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
         ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
