@@ -40,11 +40,13 @@ class LayerKV:
         # Causal by original position; padded rows (of a ragged selection, or padding tokens) are never
         # keys. Every row still sees its own key, so a padding query with no visible key gets a finite
         # output instead of NaN (which, as a later layer's value, would poison real rows: 0 * NaN).
+        # (An OR with a [T, S] mask rather than an indexed `= True`, whose CPU scalar is copied to the
+        # GPU: a host sync in every layer of every decoding step.)
         visible = (self.positions.unsqueeze(1) <= positions.unsqueeze(2)) & self.valid.unsqueeze(1)
         S, T = self.positions.shape[1], positions.shape[1]
-        own = torch.arange(S - T, S, device=positions.device)
-        visible[:, torch.arange(T, device=positions.device), own] = True
-        return visible.unsqueeze(1)
+        keys = torch.arange(S, device=positions.device)
+        own = keys == torch.arange(S - T, S, device=positions.device).unsqueeze(1)  # [T, S]: each query's own row
+        return (visible | own).unsqueeze(1)
 
     def reorder(self, index: torch.Tensor) -> None:
         if self.k is not None:
