@@ -13,8 +13,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from types import ModuleType
+from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import reference
 
@@ -50,3 +52,14 @@ def resolve(name: str, device: torch.device) -> ModuleType:
             "interpreter. Set TRITON_INTERPRET=1 before triton is first imported (the mode is fixed then), "
             "or use routing.dispatch=torch / auto.")
     return ops
+
+
+def compiled_cuda_ops(*tensors: torch.Tensor) -> Optional[ModuleType]:
+    """ops (compiled Triton kernels) when every tensor is on CUDA, triton is installed and not
+    interpreted, and neither torch.compile (it fuses the plain ops itself) nor a Python dispatch mode
+    (FlopCounterMode, fake tensors: they must see the aten ops) is active; else None."""
+    if (not tensors or any(t.device.type != "cuda" for t in tensors) or torch.compiler.is_compiling()
+            or _get_current_dispatch_mode() is not None):
+        return None
+    ops = resolve("auto", tensors[0].device)
+    return None if ops is reference else ops

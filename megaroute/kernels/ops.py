@@ -230,3 +230,47 @@ def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: tor
                          f"got {tuple(w.shape)} and {tuple(y.shape)}")
     _check_device(h=h, src=src, w=w, y=y)
     return _UnpermuteGroups.apply(h.contiguous(), src, w.contiguous(), y.contiguous())
+
+
+
+class _RotaryQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin):
+        B, T, _, H, Dh = qkv.shape
+        ctx.save_for_backward(cos, sin)
+        outs = tuple(torch.empty(B, H, T, Dh, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        for i, out in enumerate(outs):  # q and k rotated, v copied
+            tk.rotate_heads(qkv[:, :, i], cos, sin, out.transpose(1, 2), rotate=i < 2)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cos, sin = ctx.saved_tensors
+        B, T, Dh = cos.shape[0], cos.shape[1], 2 * cos.shape[2]
+        H = next(g.shape[1] for g in grads if g is not None)
+        grad = torch.empty(B, T, 3, H, Dh, dtype=cos.dtype, device=cos.device)
+        neg_sin = -sin  # the transpose of a rotation is the rotation by -angle
+        for i, g in enumerate(grads):
+            if g is None:
+                grad[:, :, i].zero_()
+            else:
+                tk.rotate_heads(g.transpose(1, 2), cos, neg_sin, grad[:, :, i], rotate=i < 2)
+        return grad, None, None
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RoPE of a qkv projection in one kernel per tensor (rope.split_qkv_rotary on CUDA): qkv
+    [B, T, 3, H, Dh] (any strides), cos / sin [B, T, Dh/2] in qkv's dtype -> q, k rotated and v, each
+    [B, H, T, Dh] contiguous, computed in float32 and rounded once. Backward rotates the gradients by
+    -angle into one [B, T, 3, H, Dh] gradient."""
+    _check_float("qkv", qkv, 5)
+    _check_float("cos", cos, 3)
+    _check_float("sin", sin, 3)
+    B, T, three, H, Dh = qkv.shape
+    if three != 3 or Dh % 2 or cos.shape != (B, T, Dh // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rotary_qkv: qkv {tuple(qkv.shape)} must be [B, T, 3, H, Dh] (Dh even) and cos / sin "
+                         f"[B, T, Dh/2], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not qkv.dtype == cos.dtype == sin.dtype:
+        raise TypeError(f"rotary_qkv: qkv, cos and sin must share a dtype, got {qkv.dtype}, {cos.dtype}, {sin.dtype}")
+    _check_device(qkv=qkv, cos=cos, sin=sin)
+    return _RotaryQKV.apply(qkv, cos, sin)

@@ -289,3 +289,41 @@ def gather_sum(base, pos, w, y, n_tokens: int, like: torch.Tensor) -> torch.Tens
                                         y, out, pos.shape[1], D, HAS_BASE=base is not None, HAS_W=w is not None,
                                         BLOCK_D=bd, num_warps=_warps(bd))
     return out
+
+
+@triton.jit
+def _rotate_heads_kernel(src_ptr, cos_ptr, sin_ptr, dst_ptr, T, H, HALF,
+                         s_b, s_t, s_h, s_d, c_b, c_t, c_d, d_b, d_t, d_h, d_d,
+                         ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Token (b, t): every head's halves x1, x2 -> (x1 cos - x2 sin, x2 cos + x1 sin) with the token's
+    cos / sin row [HALF] (ROTATE; a plain copy otherwise), from src to dst, each [B, T, H, 2 HALF]
+    by strides (either may be a [B, H, T, Dh] tensor's transpose)."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // T
+    t = r % T
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_J)[None, :]
+    m = (h < H) & (j < HALF)
+    src = src_ptr + b * s_b + t * s_t + h * s_h
+    dst = dst_ptr + b * d_b + t * d_t + h * d_h
+    x1 = tl.load(src + j * s_d, mask=m).to(tl.float32)
+    x2 = tl.load(src + (j + HALF) * s_d, mask=m).to(tl.float32)
+    if ROTATE:
+        c = tl.load(cos_ptr + b * c_b + t * c_t + j * c_d, mask=j < HALF).to(tl.float32)
+        s = tl.load(sin_ptr + b * c_b + t * c_t + j * c_d, mask=j < HALF).to(tl.float32)
+        x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
+    tl.store(dst + j * d_d, x1.to(dst_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + (j + HALF) * d_d, x2.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def rotate_heads(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, rotate: bool = True
+                 ) -> torch.Tensor:
+    """dst[b, t, h] = rotary(src[b, t, h]) (or a copy), src and dst [B, T, H, Dh] views of any strides,
+    cos / sin [B, T, Dh/2]; arithmetic in float32, rounded once to dst's dtype."""
+    B, T, H, Dh = src.shape
+    if src.numel():
+        bh, bj = triton.next_power_of_2(H), triton.next_power_of_2(max(Dh // 2, 1))
+        _rotate_heads_kernel[(B * T,)](src, cos, sin, dst, T, H, Dh // 2, *src.stride(), *cos.stride(),
+                                       *dst.stride(), ROTATE=rotate, BLOCK_H=bh, BLOCK_J=bj,
+                                       num_warps=4 if bh * bj <= 1024 else 8)
+    return dst

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import compiled_cuda_ops, cpu
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,10 +130,15 @@ def split_qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Fused `apply_rotary` for a qkv projection [B, T, 3, H, Dh] and tables [B, 1, T, Dh/2]
     (as Positions holds them): -> q, k (rotated) and v, each [B, H, T, Dh], computed in qkv's dtype
     (bf16 under autocast, as HF Llama does; the reference rotates in float32). Eager: one autograd
-    function (contiguous outputs); under torch.compile: the same math as traceable ops."""
+    function (contiguous outputs); on CUDA a Triton kernel per tensor and direction (kernels.ops.rotary_qkv:
+    float32 math, one rounding), where the eager ops were 8 strided elementwise passes each way; under
+    torch.compile: the same math as traceable ops."""
     cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
     if torch.compiler.is_compiling():
         return _split_qkv_rotary_traced(qkv, cos, sin)
+    ops = compiled_cuda_ops(qkv, cos)
+    if ops is not None and cos.shape[2] == 1:
+        return ops.rotary_qkv(qkv, cos[:, :, 0].to(qkv.dtype), sin[:, :, 0].to(qkv.dtype))
     return _SplitQKVRotary.apply(qkv, cos, sin)
 
 

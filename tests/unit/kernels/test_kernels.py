@@ -14,7 +14,7 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
-from megaroute.model import ForwardOptions
+from megaroute.model import ForwardOptions, rope
 
 triton = pytest.importorskip("triton")
 
@@ -160,6 +160,48 @@ def test_strided_inputs_need_no_copy(ops):
     _assert_parity(ops.gather, ref.gather, (x, idx_t))
 
 
+def _rotary_float32(qkv, cos, sin):
+    """rope's traced rotation in float32, rounded once to qkv's dtype (what rotary_qkv computes)."""
+    q, k, v = rope._split_qkv_rotary_traced(qkv.float(), cos.float().unsqueeze(2), sin.float().unsqueeze(2))
+    return tuple(t.to(qkv.dtype) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,T,H,Dh", [(2, 5, 3, 8), (1, 1, 1, 2), (2, 3, 6, 64), (1, 4, 5, 6)])
+def test_rotary_qkv_matches_the_float32_rotation(ops, B, T, H, Dh, dtype):
+    _check_rotary(ops, B, T, H, Dh, dtype)
+
+
+def _check_rotary(ops, B, T, H, Dh, dtype):
+    """q, k rotated and v copied, forward and backward (the gradient rotated back by -angle), for
+    strided qkv and [B, T, H, Dh]-strided output gradients (what SDPA's backward may return)."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = _rand(B, T, 3, H, Dh + 2, dtype=dtype, gen=gen)[..., 1:Dh + 1]  # strided: no copy needed
+    angles = _rand(B, T, Dh // 2, gen=gen) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grads = [_rand(B, T, H, Dh, dtype=dtype, gen=gen).transpose(1, 2) for _ in range(3)]
+    results = []
+    for fn in (ops.rotary_qkv, _rotary_float32):
+        leaf = qkv.detach().clone().requires_grad_()
+        outs = fn(leaf, cos, sin)
+        (grad,) = torch.autograd.grad(outs, leaf, grads)
+        results.append((outs, grad))
+    (got, got_grad), (want, want_grad) = results
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == (B, H, T, Dh) and g.dtype == dtype and g.is_contiguous()
+        torch.testing.assert_close(g, w, **TOL[dtype])
+    torch.testing.assert_close(got_grad, want_grad, **TOL[dtype])
+    torch.testing.assert_close(got[2], qkv[:, :, 2].transpose(1, 2), rtol=0, atol=0)  # v: a copy
+
+
+def test_rotary_qkv_rejects_bad_shapes(ops):
+    qkv = torch.zeros(1, 2, 3, 2, 4)
+    with pytest.raises(ValueError, match="cos / sin"):
+        ops.rotary_qkv(qkv, torch.zeros(1, 2, 3), torch.zeros(1, 2, 3))
+    with pytest.raises(TypeError, match="share a dtype"):
+        ops.rotary_qkv(qkv, torch.zeros(1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 2, dtype=torch.bfloat16))
+
+
 def test_path_slots_put_full_tokens_first_in_order():
     full = torch.tensor([[True, False, True], [False, True, False]])
     slot, n_full = ref.path_slots(full)
@@ -294,6 +336,7 @@ def test_cuda_compiled_kernels_match_their_references(ops, dtype):
     _assert_parity(ops.permute, ref.permute, (x, slot))
     y, w = _rand(B * T, D, dtype=dtype, gen=gen), _rand(B, T, dtype=dtype, gen=gen)
     _assert_parity(ops.unpermute, ref.unpermute, (x, slot, w, y[:n_full], y[n_full:]))
+    _check_rotary(ops, 4, 512, 12, 64, dtype)  # rope.split_qkv_rotary's CUDA path
     # Timing is reported, not asserted (targets live in python -m megaroute.kernels.bench).
     fused = do_bench(lambda: ops.combine(x, idx, g, delta))
     unfused = do_bench(lambda: _unfused_combine(x, idx, g, delta))
