@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Most tests run one thread (tests/conftest.py), so 2 workers use both cores of the CI machine.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test gpu-check system-deps clean
+.PHONY: install demo test gpu-check gpu-suite system-deps clean
 
 install: $(STAMP)
 
@@ -42,8 +42,12 @@ test: install system-deps
 # Fails, rather than passing with every test skipped, when torch sees no CUDA device: on a GPU
 # machine `pip install torch==2.13.0` from PyPI is the CUDA build; a venv copied from a CPU
 # machine keeps its CPU build (make clean, then make gpu-check).
+# `make gpu-suite PY=python3` runs the same without the install step, on a machine whose Python
+# already holds CUDA torch and the dependencies (an offline GPU node).
 GPU_PYTEST_ARGS ?= -ra
-gpu-check: install
+gpu-check: install gpu-suite
+
+gpu-suite:
 	@$(PY) -c 'import sys, torch; ok = torch.cuda.is_available(); \
 	  print(f"gpu-check: torch {torch.__version__}, CUDA {torch.version.cuda}, " \
 	        + (torch.cuda.get_device_name() if ok else "no CUDA device")); \
