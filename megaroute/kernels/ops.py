@@ -232,7 +232,6 @@ def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: tor
     return _UnpermuteGroups.apply(h.contiguous(), src, w.contiguous(), y.contiguous())
 
 
-
 class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin):
