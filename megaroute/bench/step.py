@@ -59,9 +59,12 @@ KV-cache sampling tokens/s of MoD vs dense (`--no-sample` skips).
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import time
+import traceback
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +103,7 @@ VARIANTS = {
 }
 VARIANT_NAMES = (REFERENCE, BASELINE, *VARIANTS)
 PHASES = ("forward", "backward", "optimizer")
+PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # megaroute/: host_report names call sites under it
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -153,14 +157,19 @@ class Trainer:
         t3 = clock()
         return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
 
-    def _cuda_step(self) -> dict[str, float]:
+    def _cuda_step(self, host: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Device time per phase (CUDA events); `host` (when given) gets the seconds the CPU took to
+        issue each phase and the whole step's wall time to the final sync ("step")."""
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        marks = [time.perf_counter()]
         events[0].record()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
         events[1].record()
+        marks.append(time.perf_counter())
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         events[2].record()
+        marks.append(time.perf_counter())
         if self.scaler is not None:
             self.scaler.step(self.optim)
             self.scaler.update()
@@ -168,7 +177,11 @@ class Trainer:
             self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         events[3].record()
+        marks.append(time.perf_counter())
         events[3].synchronize()
+        if host is not None:
+            host.update({ph: marks[i + 1] - marks[i] for i, ph in enumerate(PHASES)},
+                        step=time.perf_counter() - marks[0])
         return {ph: events[i].elapsed_time(events[i + 1]) / 1e3 for i, ph in enumerate(PHASES)}
 
 
@@ -301,7 +314,39 @@ def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows
         for _ in range(steps):
             trainer.step()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=rows)
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    return table + ("\n" + host_report(trainer) if cuda else "")
+
+
+def host_report(trainer: Trainer) -> str:
+    """CUDA: how long the CPU takes to issue a step's phases (no sync between them) against the
+    step's wall time, and where the step makes the CPU wait for the GPU (torch.cuda's sync debug
+    mode, each site named by its innermost megaroute frames). A step whose issue time is close to its
+    wall time is host-bound: fewer, larger kernels or torch.compile help it, faster kernels do not."""
+    host: dict[str, float] = {}
+    trainer._cuda_step(host)
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(PACKAGE_DIR + os.sep)]
+        where = [f"{os.path.relpath(f.filename, PACKAGE_DIR)}:{f.lineno}" for f in ours[-3:][::-1]]
+        sites[" <- ".join(where) or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer._cuda_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = [f"host: issuing forward {host['forward'] * 1e3:.1f} ms, backward {host['backward'] * 1e3:.1f}, "
+             f"optimizer {host['optimizer'] * 1e3:.1f}; step {host['step'] * 1e3:.1f} ms to the final sync",
+             f"host syncs in one step: {sum(sites.values())}"]
+    lines += [f"  {n:4d}  {where}" for where, n in sites.most_common()]
+    return "\n".join(lines)
 
 
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
@@ -468,9 +513,11 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
                 torch.cuda.empty_cache()
                 continue
             print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
-            if args.profile and "mod" in variants:
-                print(profile_steps(precision, batch, args.seq_len, device="cuda", shape=variants["mod"][0],
-                                    routing=variants["mod"][1]))
+            if args.profile:
+                for name, (shape, routing) in variants.items():
+                    print(f"\n[{precision}] profile of {name} steps (device time per op; host time and syncs)")
+                    print(profile_steps(precision, batch, args.seq_len, device="cuda", shape=shape, routing=routing,
+                                        name=name))
     if args.sample:
         dtype = AMP_DTYPES.get(args.precision[0], torch.float32)
         print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
@@ -525,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each variant (but reference) with its blocks torch.compile'd, as "
                              "`<variant>+compile` (train.compile: true)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print torch.profiler tables (CPU: of each variant's steps; CUDA: of MoD's)")
+                        help="also print torch.profiler tables of each variant's steps (CUDA: with the host's issue "
+                             "time per phase and the step's host syncs, by call site)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if args.steps < 1 or args.warmup < 0 or args.peak_size < 1:
