@@ -161,3 +161,24 @@ def test_kv_cache_decoding_on_cuda_equals_the_full_forward(make_model, name, dty
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, **tol)
     assert cache.seen == x.shape[1] and cache.layers[0].k.is_cuda
+
+
+@torch.no_grad()
+def test_cached_decoding_of_a_dense_model_never_waits_for_the_gpu(make_model):
+    """A decoding step of a dense model makes no host sync (torch.cuda's sync debug mode turns one into
+    an error): on an H100 the cache's own-key mask once copied a CPU scalar to the GPU in every layer of
+    every step. Routed layers read their ragged counts (one sync each), so they are left out."""
+    model, cfg = make_model("routing.method=none", seed=0)
+    model.cuda().eval()
+    x = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    cache = model.new_cache()
+    logits = model(x, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
+    nxt = logits.argmax(-1, keepdim=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            nxt = model(nxt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1].argmax(-1, keepdim=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.seen == 15
