@@ -54,12 +54,17 @@ def resolve(name: str, device: torch.device) -> ModuleType:
     return ops
 
 
+def aten_required() -> bool:
+    """True while hand-written kernels must step aside for the plain ops: under torch.compile (it
+    fuses the plain ops itself) or a Python dispatch mode (FlopCounterMode, fake tensors: they must
+    see the aten ops, which the kernels bypass)."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
 def compiled_cuda_ops(*tensors: torch.Tensor) -> Optional[ModuleType]:
     """ops (compiled Triton kernels) when every tensor is on CUDA, triton is installed and not
-    interpreted, and neither torch.compile (it fuses the plain ops itself) nor a Python dispatch mode
-    (FlopCounterMode, fake tensors: they must see the aten ops) is active; else None."""
-    if (not tensors or any(t.device.type != "cuda" for t in tensors) or torch.compiler.is_compiling()
-            or _get_current_dispatch_mode() is not None):
+    interpreted, and the plain ops are not required (aten_required); else None."""
+    if not tensors or any(t.device.type != "cuda" for t in tensors) or aten_required():
         return None
     ops = resolve("auto", tensors[0].device)
     return None if ops is reference else ops

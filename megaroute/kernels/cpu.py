@@ -37,8 +37,9 @@ from types import ModuleType
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.cpp_extension import load as load_extension
+
+from .backend import aten_required
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 ENV_SWITCH = "MEGAROUTE_CPU_KERNELS"  # "0" turns the kernels off (the eager ops run)
@@ -107,12 +108,10 @@ def load() -> Optional[ModuleType]:
 def usable(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> Optional[ModuleType]:
     """The extension when every tensor is a float32 / bfloat16 CPU tensor of one dtype, contiguous
     (`strided` ones: any strides with the last dimension contiguous, which the kernels taking
-    [B, H, T, Dh] tensors read in place), and neither torch.compile (it fuses the plain ops itself)
-    nor a Python dispatch mode (FlopCounterMode, fake tensors: they must see the aten ops, which the
-    kernels bypass) is active; else None."""
+    [B, H, T, Dh] tensors read in place), and the plain ops are not required (backend.aten_required:
+    torch.compile, FlopCounterMode, fake tensors); else None."""
     first = tensors[0]
-    if (first.device.type != "cpu" or first.dtype not in DTYPES or torch.compiler.is_compiling()
-            or _get_current_dispatch_mode() is not None
+    if (first.device.type != "cpu" or first.dtype not in DTYPES or aten_required()
             or any(t.device.type != "cpu" or t.dtype != first.dtype for t in (*tensors, *strided))
             or not all(t.is_contiguous() for t in tensors) or not all(_rows_contiguous(t) for t in strided)):
         return None

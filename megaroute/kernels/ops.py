@@ -237,6 +237,7 @@ class _RotaryQKV(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin):
         B, T, _, H, Dh = qkv.shape
         ctx.save_for_backward(cos, sin)
+        ctx.qkv_shape = qkv.shape
         outs = tuple(torch.empty(B, H, T, Dh, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
         for i, out in enumerate(outs):  # q and k rotated, v copied
             tk.rotate_heads(qkv[:, :, i], cos, sin, out.transpose(1, 2), rotate=i < 2)
@@ -245,9 +246,7 @@ class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         cos, sin = ctx.saved_tensors
-        B, T, Dh = cos.shape[0], cos.shape[1], 2 * cos.shape[2]
-        H = next(g.shape[1] for g in grads if g is not None)
-        grad = torch.empty(B, T, 3, H, Dh, dtype=cos.dtype, device=cos.device)
+        grad = torch.empty(ctx.qkv_shape, dtype=cos.dtype, device=cos.device)
         neg_sin = -sin  # the transpose of a rotation is the rotation by -angle
         for i, g in enumerate(grads):
             if g is None:
