@@ -259,7 +259,8 @@ class RoutingConfig:
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     # Token movement (gather / combine / path permute) in routed layers: "triton" = fused kernels,
-    # "torch" = the PyTorch reference, "auto" = Triton for CUDA tensors, PyTorch otherwise.
+    # "torch" = the PyTorch reference, "auto" = Triton for CUDA tensors (but for the ops torch ran faster
+    # on a GPU: kernels/backend.py AUTO_TORCH_OPS), PyTorch otherwise.
     dispatch: Literal["auto", "torch", "triton"] = "auto"
 
     def validate(self, path: str) -> None:

@@ -3,7 +3,7 @@
     reference  pure-PyTorch semantics (gather, combine, path_slots, permute, unpermute)
     ops        the same ops as Triton kernels with autograd.Function wrappers (imports triton), and
                rotary_qkv (RoPE of a qkv projection, the CUDA path of rope.split_qkv_rotary)
-    backend    routing.dispatch = auto | torch | triton -> one of the two
+    backend    routing.dispatch = auto | torch | triton -> reference, ops, or per op (auto on CUDA)
     bench      `python -m megaroute.kernels.bench`
     cpu        fused CPU kernels for a block's elementwise work (SwiGLU, RoPE, RMSNorm), JIT-built C++
 

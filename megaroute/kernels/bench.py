@@ -4,7 +4,9 @@
 
 CUDA: achieved GB/s of each fused kernel (bytes it must move / time) against the device's peak
 memory bandwidth (target >= 80% at D >= 2048) and against a measured device-to-device copy, and
-its speedup over the unfused PyTorch chain; `--dtype bfloat16 float16 float32` for all three.
+its speedup over the unfused PyTorch chain (two roundings where the kernel rounds once) and over
+what `routing.dispatch: torch` runs (reference.py; `auto` picks per op between the two:
+backend.AUTO_TORCH_OPS); `--dtype bfloat16 float16 float32` for all three.
 
 CPU: the share of a routed block's time spent in dispatch on the PyTorch path (target <= 5%):
 a MoD layer's training step (forward + backward) and a depth-gate layer's single-path inference,
@@ -108,26 +110,35 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     w = torch.ones(B, T, device=device, dtype=dtype)
     combine_out = torch.randn(B, T, D, device=device, dtype=dtype)
     unfused = _unfused(B, T, D)
-    cases = {  # name: (fused, unfused, bytes the op must move)
-        "gather": (lambda: ops.gather(x, idx), lambda: unfused["gather"](x, idx), 2 * B * k * D * es),
+    # What routing.dispatch=torch runs (reference.py: one rounding, float32 accumulation), the
+    # alternative `auto` chooses between; combine's backward is autograd's through it.
+    g_req, delta_req = g.detach().requires_grad_(), delta.detach().requires_grad_()
+    ref_out = ref.combine(x, idx, g_req, delta_req)
+    cases = {  # name: (fused, unfused chain, torch backend, bytes the op must move)
+        "gather": (lambda: ops.gather(x, idx), lambda: unfused["gather"](x, idx), lambda: ref.gather(x, idx),
+                   2 * B * k * D * es),
         "combine fwd": (lambda: ops.combine(x, idx, g, delta), lambda: unfused["combine"](x, idx, g, delta),
-                        (2 * B * T * D + B * k * D) * es),
+                        lambda: ref.combine(x, idx, g, delta), (2 * B * T * D + B * k * D) * es),
         "combine bwd": (lambda: ops.tk.combine_bwd(combine_out, idx, g, delta, need_grad_g=True),
                         lambda: (g.unsqueeze(-1) * ref.gather(combine_out, idx),
                                  (ref.gather(combine_out, idx) * delta).sum(-1)),
+                        lambda: torch.autograd.grad(ref_out, (g_req, delta_req), combine_out, retain_graph=True),
                         3 * B * k * D * es),
-        "permute": (lambda: ops.permute(x, slot), lambda: unfused["permute"](x, slot), 2 * B * T * D * es),
+        "permute": (lambda: ops.permute(x, slot), lambda: unfused["permute"](x, slot), lambda: ref.permute(x, slot),
+                    2 * B * T * D * es),
         "unpermute": (lambda: ops.unpermute(x, slot, w, y[:n_full], y[n_full:]),
-                      lambda: unfused["unpermute"](x, slot, w, y[:n_full], y[n_full:]), 3 * B * T * D * es),
+                      lambda: unfused["unpermute"](x, slot, w, y[:n_full], y[n_full:]),
+                      lambda: ref.unpermute(x, slot, w, y[:n_full], y[n_full:]), 3 * B * T * D * es),
     }
     print(f"\nB={B} T={T} k={k} D={D} {dtype_name}")
-    for name, (fused, chain, nbytes) in cases.items():
-        t_fused, t_chain = do_bench(fused), do_bench(chain)  # ms
+    for name, (fused, chain, torch_backend, nbytes) in cases.items():
+        t_fused, t_chain, t_torch = do_bench(fused), do_bench(chain), do_bench(torch_backend)  # ms
         gbs = nbytes / (t_fused * 1e-3) / 1e9
         share = f"{gbs / peak:6.1%} of peak, " if peak else ""
         ok = "" if not peak or D < 2048 else ("  ok" if gbs / peak >= GPU_TARGET else "  BELOW TARGET")
         print(f"  {name:12s} {t_fused * 1e3:8.1f} us  {gbs:7.0f} GB/s ({share}{gbs / copy:6.1%} of copy)  "
-              f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us){ok}")
+              f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us)  "
+              f"x{t_torch / t_fused:4.1f} vs dispatch=torch ({t_torch * 1e3:.1f} us){ok}")
 
 
 # ------------------------------------------------------------------------------------------ CPU

@@ -12,6 +12,7 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
+from megaroute.kernels.backend import AUTO_TORCH_OPS, DISPATCH_OPS
 from megaroute.model import ForwardOptions
 
 from ..unit.kernels.test_kernels import TOL, _indices, _rand
@@ -37,7 +38,9 @@ def ops():
     cuda = torch.device("cuda")
     module = resolve("triton", cuda)
     assert not module.tk.INTERPRETED, "TRITON_INTERPRET was set when triton was imported: kernels would not compile"
-    assert resolve("auto", cuda) is module  # what routed layers get for CUDA tensors
+    auto = resolve("auto", cuda)  # what routed layers get for CUDA tensors: Triton but for AUTO_TORCH_OPS
+    for op in DISPATCH_OPS:
+        assert getattr(auto, op) is getattr(ref if op in AUTO_TORCH_OPS else module, op), op
     return module
 
 
@@ -145,4 +148,5 @@ def test_bandwidth_benchmark_reports_every_op_against_peak(capsys):
     assert "peak" in out and "measured copy" in out
     for op in ("gather", "combine fwd", "combine bwd", "permute", "unpermute"):
         assert out.count(f"  {op} ") == 6, op  # two widths x three dtypes
+    assert out.count("vs dispatch=torch") == 30  # each op also against what routing.dispatch=torch runs
     assert "nan" not in out.split("\n", 1)[0]  # the peak bandwidth is known (table or device query)

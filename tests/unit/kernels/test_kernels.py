@@ -14,6 +14,7 @@ import torch
 
 from megaroute.kernels import reference as ref
 from megaroute.kernels import resolve
+from megaroute.kernels.backend import AUTO_TORCH_OPS, DISPATCH_OPS
 from megaroute.model import ForwardOptions, rope
 
 triton = pytest.importorskip("triton")
@@ -259,6 +260,11 @@ def test_backend_selection(ops, monkeypatch):
     monkeypatch.setattr(ops.tk, "INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         resolve("triton", cpu)
+    # auto on a GPU: the kernels, except where torch's own op was measured faster (AUTO_TORCH_OPS)
+    auto = resolve("auto", torch.device("cuda"))
+    assert AUTO_TORCH_OPS and set(AUTO_TORCH_OPS) <= set(DISPATCH_OPS)
+    for op in DISPATCH_OPS:
+        assert getattr(auto, op) is getattr(ref if op in AUTO_TORCH_OPS else ops, op), op
 
 
 def test_config_switch_is_validated(make_config):
