@@ -627,7 +627,8 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::
   check_f32_heads(v, "v", q);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = q.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
-  at::Tensor out = at::empty({B, H, T, Dh}, q.options());
+  // Rows laid out [B, T, H, Dh] (a [B, H, T, Dh] view): the output projection reads them as [B * T, D] with no copy.
+  at::Tensor out = at::empty({B, T, H, Dh}, q.options()).permute({0, 2, 1, 3});
   at::Tensor lse = at::empty({B, H, T}, q.options());
   const Heads<float> qh(q), kh(k), vh(v), oh(out);
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {

@@ -69,17 +69,18 @@ class _CausalAttention(torch.autograd.Function):
         B, H, T, Dh = q.shape
         scale = Dh ** -0.5
         qs, k3, v3 = (q * scale).view(B * H, T, Dh), k.reshape(B * H, T, Dh), v.reshape(B * H, T, Dh)
-        out = torch.empty_like(qs)
+        # rows laid out [B, T, H, Dh]: the output projection reads them as [B * T, D] with no copy
+        out = q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3)
         probs = []
         for a, b in query_blocks(T):
             scores = torch.bmm(qs[:, a:b], k3[:, :b].transpose(1, 2))
             future = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)
             scores[:, :, a:].masked_fill_(future, float("-inf"))
             probs.append(torch.softmax(scores, dim=-1))
-            out[:, a:b] = torch.bmm(probs[-1], v3[:, :b])
+            out[:, :, a:b] = torch.bmm(probs[-1], v3[:, :b]).view(B, H, b - a, Dh)
         ctx.save_for_backward(qs, k3, v3, *probs)
         ctx.scale = scale
-        return out.view(B, H, T, Dh)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,7 +124,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     ms for torch's CPU flash kernel (and 9.1 ms for the same matmuls under autograd; 2 threads,
     torch 2.13, AMX); torch.compile traces the same math as plain ops. Everything else (fp32 without
     the kernels, where explicit matmuls took 25.2 ms against SDPA's 24.7), and bf16 sequences longer
-    than EAGER_MAX_LEN (the [B, H, T, T] scores grow quadratically): torch's SDPA."""
+    than EAGER_MAX_LEN (the [B, H, T, T] scores grow quadratically): torch's SDPA. The two CPU
+    functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
+    y.transpose(1, 2).reshape(B, T, D) is a view, not a copy."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return _CausalAttentionF32.apply(q, k, v)

@@ -173,7 +173,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                                                    device=h.device)
             if wants_grad and not whole:
                 grad_h = torch.empty(N, h.shape[1], dtype=dtype, device=h.device)
-                grad_w = torch.zeros(V, h.shape[1], dtype=_math_dtype(weight.dtype), device=h.device)
+                # the first chunk's product is written, the rest accumulated: no zero-fill pass ([V, D])
+                grad_w = (torch.empty if N else torch.zeros)(V, h.shape[1], dtype=_math_dtype(weight.dtype),
+                                                             device=h.device)
             for s in range(0, N, rows):
                 e = min(N, s + rows)
                 chunk = logits[s:e] if whole else torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
@@ -184,7 +186,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     _cross_entropy_tiles(chunk, safe[s:e], keep[s:e] if wants_grad else None, losses[s:e], tile, work)
                 if wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
-                    grad_w.addmm_(chunk.t(), hc[s:e])
+                    if s == 0:
+                        torch.mm(chunk.t(), hc[s:e], out=grad_w)
+                    else:
+                        grad_w.addmm_(chunk.t(), hc[s:e])
             if whole:
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
                 del logits

@@ -134,6 +134,19 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
         torch.testing.assert_close(linear_cross_entropy(h, weight, targets), loss.detach(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [0, 1])
+def test_linear_cross_entropy_weight_gradient_of_one_chunk_or_none(rows):
+    """The head's weight gradient is written by the first chunk's matmul (no zero fill): one chunk,
+    and no rows at all (then it is zero; the mean loss of nothing is NaN, as F.cross_entropy's)."""
+    h = torch.randn(rows, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    targets = torch.randint(0, 11, (rows,))
+    linear_cross_entropy(h, weight, targets).backward()
+    ref_w = weight.detach().clone().requires_grad_()
+    F.cross_entropy(F.linear(h.detach(), ref_w), targets).backward()
+    torch.testing.assert_close(weight.grad, torch.nan_to_num(ref_w.grad) if rows else torch.zeros(11, 6))
+
+
 def test_linear_cross_entropy_backward_twice_is_refused():
     h, weight = torch.randn(4, 3, requires_grad=True), torch.randn(5, 3, requires_grad=True)
     loss = linear_cross_entropy(h, weight, torch.tensor([0, 1, 2, 3]))
