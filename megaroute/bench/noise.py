@@ -30,3 +30,15 @@ def describe(numerator: list[float], denominator: list[float]) -> str:
     """'per round: median m, interquartile q1-q3 of n'."""
     median, q1, q3 = per_round(numerator, denominator)
     return f"per round: median {median:.3f}, interquartile {q1:.3f}-{q3:.3f} of {len(numerator)}"
+
+
+def verdict(value: float, target: float, rounds: tuple[float, float, float], at_most: bool = True,
+            met: str = "HOLDS", missed: str = "MISSED") -> str:
+    """`met` or `missed` for value against target (value <= target when at_most, else >=), followed by
+    a warning when the per-round interquartile range (per_round's q1, q3) reaches both sides of the
+    target: then the verdict is the noise's as much as the code's, and another run may flip it."""
+    word = met if (value <= target if at_most else value >= target) else missed
+    _, q1, q3 = rounds
+    if q1 <= target <= q3:
+        word += f" (within the noise: the per-round interquartile range {q1:.3f}-{q3:.3f} spans {target:.3f})"
+    return word

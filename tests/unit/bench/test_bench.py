@@ -88,6 +88,10 @@ def test_report_figures_mean_their_labels():
     out = step.report("fp32", rounds, 1000, {"reference": 1e6, "dense": 1e6}, [4e9])
     # ratios 1.25, 1.25, 1.2, 1.1 -> median 1.225, quartiles (inclusive) 1.175 and 1.25
     assert "reference / dense, per round: median 1.225, interquartile 1.175-1.250 of 4" in out
+    # a target inside the per-round interquartile range: the verdict says the noise could flip it
+    out = step.report("bf16", rounds, 1000, {"reference": 1e6, "dense": 1e6}, [4e9])  # bf16 target: 1.2
+    assert "1.150x faster (target >= 1.2) MISSED (within the noise: the per-round interquartile range " \
+           "1.175-1.250 spans 1.200)" in out
     # --compile: the compiled dense step against the reference too, and against its eager twin
     steps["dense+compile"], flops["dense+compile"] = [{"forward": 0.3, "backward": 0.7, "optimizer": 0.0}] * 3, 1e6
     out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[4e9])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megaroute.bench.noise import describe, per_round, round_order
+from megaroute.bench.noise import describe, per_round, round_order, verdict
 
 
 def test_per_round_ratio_median_and_quartiles():
@@ -23,3 +23,14 @@ def test_round_order_is_a_seeded_shuffle_that_varies_each_variants_predecessor()
     follows = {(x, y) for x, y in zip(sequence, sequence[1:]) if x != y}
     assert follows == {(x, y) for x in names for y in names if x != y}
     assert round_order([], 5) == []
+
+
+def test_verdict_warns_when_the_noise_spans_the_target():
+    assert verdict(0.88, 0.9, (0.88, 0.86, 0.89)) == "HOLDS"
+    assert verdict(0.91, 0.9, (0.91, 0.905, 0.92)) == "MISSED"
+    spanning = verdict(0.88, 0.9, (0.88, 0.85, 0.92))
+    assert spanning.startswith("HOLDS (within the noise") and "0.850-0.920 spans 0.900" in spanning
+    # at_least targets (speedups), and the benchmarks' own words
+    assert verdict(1.31, 1.3, (1.31, 1.28, 1.35), at_most=False).startswith("HOLDS (within the noise")
+    assert verdict(1.2, 1.3, (1.2, 1.1, 1.25), at_most=False) == "MISSED"
+    assert verdict(1.06, 1.05, (1.06, 1.06, 1.07), met="OK", missed="ABOVE 5% TARGET") == "ABOVE 5% TARGET"
