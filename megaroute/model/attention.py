@@ -247,9 +247,9 @@ class CausalSelfAttention(nn.Module):
         if pos is None or pos.kv is None:
             y = causal_attention(q, k, v) if self.fused else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            mask = pos.kv.append(k, v, pos.positions, pos.valid)
+            mask, causal = pos.kv.append(k, v, pos.positions, pos.valid, pos.start)
             with sdpa_kernel(CACHED_BACKENDS):
-                y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask)
+                y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask, is_causal=causal)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # T may be 0
 
     def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

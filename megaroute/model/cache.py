@@ -15,43 +15,78 @@ import torch
 
 
 class LayerKV:
-    """One layer's cache: k, v [B, H, S, Dh], positions [B, S], valid [B, S]."""
+    """One layer's cache: k, v [B, H, S, Dh], positions [B, S], valid [B, S].
+
+    While the cache is `in_order` (every append continued positions 0, 1, ..., S - 1 in every row,
+    all real, as an unrouted layer's appends do; host-side), positions and valid are not stored: they
+    are arange(S) and all True, built (`_materialize`) only if a later append breaks the order.
+    """
 
     def __init__(self):
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None
         self.valid: Optional[torch.Tensor] = None
+        self.in_order = True
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               valid: Optional[torch.Tensor]) -> torch.Tensor:
-        """Adds this step's rows; returns the attention mask [B, 1, T, S] for this step's queries."""
+               valid: Optional[torch.Tensor], start: Optional[int] = None
+               ) -> tuple[Optional[torch.Tensor], bool]:
+        """Adds this step's rows; returns (attention mask [B, 1, T, S] or None, is_causal) for this
+        step's queries, as F.scaled_dot_product_attention takes them. `start` (host-side, or None):
+        the rows' positions are start, start + 1, ... in every row and all are real (Positions.start).
+
+        In order, one query (a decoding step) sees every cached key and a first append is plain causal
+        attention: no mask is built (~10 small ops per layer and step, which on a GPU are host time)."""
+        S0, T = len(self), positions.shape[1]
+        if self.in_order and not (valid is None and start is not None and start == S0):
+            self._materialize(positions)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        S = S0 + T
+        if self.in_order:
+            return (None, T > 1) if T == 1 or T == S else (self._mask(positions, self._arange(S, positions), None), False)
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        if self.k is None:
-            self.k, self.v, self.positions, self.valid = k, v, positions, valid
-        else:
-            self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-            self.positions = torch.cat([self.positions, positions], dim=1)
-            self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+        self.valid = torch.cat([self.valid, valid], dim=1)
+        return self._mask(positions, self.positions, self.valid), False
+
+    @staticmethod
+    def _arange(S: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(S, device=like.device).expand(like.shape[0], S)
+
+    @staticmethod
+    def _mask(positions: torch.Tensor, keys_at: torch.Tensor, keys_valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B, 1, T, S]: query t sees key s when keys_at[s] <= positions[t] and s is real, and its own row."""
         # Causal by original position; padded rows (of a ragged selection, or padding tokens) are never
         # keys. Every row still sees its own key, so a padding query with no visible key gets a finite
         # output instead of NaN (which, as a later layer's value, would poison real rows: 0 * NaN).
         # (An OR with a [T, S] mask rather than an indexed `= True`, whose CPU scalar is copied to the
         # GPU: a host sync in every layer of every decoding step.)
-        visible = (self.positions.unsqueeze(1) <= positions.unsqueeze(2)) & self.valid.unsqueeze(1)
-        S, T = self.positions.shape[1], positions.shape[1]
+        visible = keys_at.unsqueeze(1) <= positions.unsqueeze(2)
+        if keys_valid is not None:
+            visible = visible & keys_valid.unsqueeze(1)
+        S, T = keys_at.shape[1], positions.shape[1]
         keys = torch.arange(S, device=positions.device)
         own = keys == torch.arange(S - T, S, device=positions.device).unsqueeze(1)  # [T, S]: each query's own row
         return (visible | own).unsqueeze(1)
 
+    def _materialize(self, like: torch.Tensor) -> None:
+        """Leaves the in-order state: the stored rows' positions (0..S-1) and validity (all real)."""
+        S = len(self)
+        self.positions = self._arange(S, like).contiguous()
+        self.valid = torch.ones(like.shape[0], S, dtype=torch.bool, device=like.device)
+        self.in_order = False
+
     def reorder(self, index: torch.Tensor) -> None:
         if self.k is not None:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
-            self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
+            if not self.in_order:
+                self.positions, self.valid = self.positions.index_select(0, index), self.valid.index_select(0, index)
 
 
 class KVCache:
@@ -68,4 +103,4 @@ class KVCache:
 
     def stored_tokens(self) -> list[int]:
         """Rows held per layer (batch row 0): shows routed-out tokens writing nothing."""
-        return [0 if layer.valid is None else int(layer.valid[0].sum()) for layer in self.layers]
+        return [len(layer) if layer.in_order else int(layer.valid[0].sum()) for layer in self.layers]

@@ -148,14 +148,17 @@ class Positions:
     `select(indices, valid)` follows a routed gather, so the gathered tokens keep their positions.
     In incremental decoding it also carries the layer's KV cache (`kv`) and which gathered rows are
     real (`valid`, None = all): attention then appends the real rows' keys/values to that cache.
+    `start` (host-side, or None): every row's positions are start, start + 1, ... and all are real,
+    which the cache uses to skip its attention mask (LayerKV.append); a routed gather drops it.
     """
 
     def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, kv=None,
-                 valid: Optional[torch.Tensor] = None):
+                 valid: Optional[torch.Tensor] = None, start: Optional[int] = None):
         self.rope = rope
         self.positions = positions
         self.kv = kv  # megaroute.model.cache.LayerKV or None
         self.valid = valid
+        self.start = start if valid is None else None
         self.cos, self.sin = rope(positions)
 
     def select(self, indices: torch.Tensor, valid: Optional[torch.Tensor] = None) -> "Positions":
@@ -167,6 +170,6 @@ class Positions:
     def with_kv(self, kv) -> "Positions":
         """The same tokens, attending through (and appending to) one layer's cache."""
         out = Positions.__new__(Positions)
-        out.rope, out.positions, out.kv, out.valid, out.cos, out.sin = (self.rope, self.positions, kv, self.valid,
-                                                                       self.cos, self.sin)
+        out.rope, out.positions, out.kv, out.valid, out.start, out.cos, out.sin = (
+            self.rope, self.positions, kv, self.valid, self.start, self.cos, self.sin)
         return out

@@ -177,11 +177,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if cache is not None:
             self._check_cacheable(routing_mode, targets)
+        in_order = positions is None  # every row at start, start + 1, ...: the cache can skip its mask
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         if key_mask is not None and cache is None:
             raise ValueError("key_mask (padding) needs the cached path: pass ForwardOptions(cache=model.new_cache())")
-        pos = Positions(self.rope, positions, valid=key_mask)
+        pos = Positions(self.rope, positions, valid=key_mask, start=start if in_order else None)
         if o.calibrate and routing_mode != "causal":
             raise ValueError(f"calibrate needs mode 'causal', not {routing_mode!r}")
         ctx = RoutingContext(mode=routing_mode, targets=targets, force=dict(o.force), masks=dict(o.masks),

@@ -57,3 +57,29 @@ def test_cache_refuses_what_it_cannot_do(make_model):
     model(torch.zeros(1, 60, dtype=torch.long), options=ForwardOptions(mode="causal", cache=cache))
     with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
         model(torch.zeros(1, 5, dtype=torch.long), options=ForwardOptions(mode="causal", cache=cache))
+
+
+@torch.no_grad()
+def test_in_order_layers_skip_the_mask_and_match_the_masked_path(make_model):
+    """Unrouted layers' caches stay in order (positions 0..S-1, all real: no positions, validity or mask
+    built); chunks of several tokens, single tokens, a beam reorder and explicit positions (which leave
+    the in-order state) all give the full forward's logits. MoD's routed layers never are in order."""
+    model, cfg = make_model("routing.method=mod", "routing.capacity=0.5")
+    model.eval()
+    x = torch.randint(0, 97, (2, TOTAL))
+    full = model(x, options=ForwardOptions(mode="causal")).logits
+    cache = model.new_cache()
+    parts = [model(x[:, :5], options=ForwardOptions(mode="causal", cache=cache)).logits,  # a prefill: is_causal
+             model(x[:, 5:9], options=ForwardOptions(mode="causal", cache=cache)).logits]  # a chunk: a mask
+    parts += [model(x[:, t:t + 1], options=ForwardOptions(mode="causal", cache=cache)).logits for t in range(9, 16)]
+    for i, layer in enumerate(cache.layers):
+        assert layer.in_order != cfg.routing.is_routed(i)
+        assert (layer.positions is None) == layer.in_order and len(layer) <= 16
+    cache.reorder(torch.tensor([1, 0]))  # a beam step: rows swapped, order kept
+    cache.reorder(torch.tensor([1, 0]))
+    positions = torch.arange(16, TOTAL).expand(2, -1)  # the right positions, given explicitly: the masked path
+    parts.append(model(x[:, 16:], options=ForwardOptions(mode="causal", cache=cache, positions=positions)).logits)
+    assert not any(layer.in_order for layer in cache.layers)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    stored = cache.stored_tokens()
+    assert all(stored[i] == TOTAL for i in range(cfg.model.n_layers) if not cfg.routing.is_routed(i))
