@@ -34,8 +34,9 @@ it, in activation elements:
                         input); the fused RMSNorms (apex on CUDA, norm.py's on CPU)
                         keep only these                                        = 4d
     TP-sharded:         rotated q, k and v (3d: the fused split+RoPE writes them fresh and keeps
-                        no qkv), attention output and its reshaped copy (2d), gate|up (2f),
-                        silu(gate), product                                    = 5d + 4f
+                        no qkv), attention output and its reshaped copy (2d; on CPU the
+                        attention writes its rows [B, T, H, Dh], so the reshape is a view: d),
+                        gate|up (2f), silu(gate), product                      = 5d + 4f (CPU 4d + 4f)
 CPU adds `cpu_activation_bytes` (bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
@@ -162,8 +163,10 @@ def activation_bytes(
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
 
+    attn_out = 1 if device == "cpu" else 2  # the attention output, and on CUDA its reshaped copy
+
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
-        return n * (4 * d + (5 * d + 4 * f) / tp)
+        return n * (4 * d + ((3 + attn_out) * d + 4 * f) / tp)
 
     spec = method_spec(routing.method)  # a routed block's terms: MethodSpec.activations
     layers = [spec.layer_activations(model, routing, T, block) if routing.is_routed(i) else block(T)

@@ -48,7 +48,9 @@ class LayerKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         S = S0 + T
         if self.in_order:
-            return (None, T > 1) if T == 1 or T == S else (self._mask(positions, self._arange(S, positions), None), False)
+            if T == 1 or T == S:
+                return None, T > 1
+            return self._mask(positions, self._arange(S, positions), None), False  # a chunk after earlier rows
         if valid is None:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         self.positions = torch.cat([self.positions, positions], dim=1)
