@@ -30,15 +30,25 @@ def mask_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged selection as a padded batch: mask [B, T] -> (indices [B, kmax], valid [B, kmax]).
 
     Selected positions come first in ascending order, padding (unselected positions) after, so
-    a causal mask in index order never lets a real token see padding.
+    a causal mask in index order never lets a real token see padding. kmax is the largest count,
+    read on the host (a sync on a GPU), except for one-token steps on a GPU (incremental decoding:
+    every routed layer, every token), where kmax = 1 whatever the mask (no sync): a row that runs
+    nothing is one padded row, which runs the block, adds nothing and writes no key.
     """
     B, T = mask.shape
     counts = mask.sum(dim=1)
-    kmax = int(counts.max()) if B > 0 else 0
+    kmax = T if pad_without_sync(mask) else int(counts.max()) if B > 0 else 0
     pos = torch.arange(T, device=mask.device).expand(B, T)
     order = torch.where(mask, pos, pos + T).argsort(dim=1)[:, :kmax]
     valid = torch.arange(kmax, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
     return order, valid
+
+
+def pad_without_sync(mask: torch.Tensor) -> bool:
+    """mask_indices pads to T instead of reading the largest count: one-token steps on a GPU, where a
+    padded row costs less than the host waiting for the device (CPU: no sync to save, and the block
+    would run for tokens that skip it)."""
+    return mask.shape[1] == 1 and mask.device.type != "cpu"
 
 
 def selected_fraction(idx: torch.Tensor, valid, seq_len: int) -> torch.Tensor:

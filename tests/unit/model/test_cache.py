@@ -83,3 +83,30 @@ def test_in_order_layers_skip_the_mask_and_match_the_masked_path(make_model):
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
     stored = cache.stored_tokens()
     assert all(stored[i] == TOTAL for i in range(cfg.model.n_layers) if not cfg.routing.is_routed(i))
+
+
+@pytest.mark.parametrize("method,mode", [("mod", "causal"), ("stride", "causal"), ("halting", "hard")])
+@torch.no_grad()
+def test_one_token_steps_padded_without_a_sync_decode_alike(make_model, monkeypatch, method, mode):
+    """On a GPU a one-token step pads every routed layer's selection to 1 row instead of reading its
+    largest count (dispatch.pad_without_sync: no host sync). Forced here on CPU: a row that runs
+    nothing becomes a padded row, which runs the block but adds nothing and stores no key, so the
+    logits are the full forward's and each layer stores the same tokens as the synced path."""
+    from megaroute.model.routing import dispatch
+
+    model, _ = make_model(f"routing.method={method}", "routing.capacity=0.5")
+    model.eval()
+    x = torch.randint(0, 97, (3, TOTAL))
+    full = model(x, options=ForwardOptions(mode=mode)).logits
+    _, synced = _incremental(model, x, mode)
+    padded = []
+    real = dispatch.mask_indices
+    monkeypatch.setattr(dispatch, "pad_without_sync", lambda mask: mask.shape[1] == 1)
+    monkeypatch.setattr(dispatch, "mask_indices", lambda mask: padded.append(mask.shape[1] == 1) or real(mask))
+    inc, cache = _incremental(model, x, mode)
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-5)
+    assert any(padded) and cache.stored_tokens() == synced.stored_tokens()
+    # the padded rows are stored (as non-keys): a routed layer holds one row per decoded token
+    assert all(len(a) >= len(b) for a, b in zip(cache.layers, synced.layers))
+    if method != "halting":  # capacity 0.5: some step skips a routed layer in all three rows
+        assert any(len(a) > len(b) for a, b in zip(cache.layers, synced.layers))
