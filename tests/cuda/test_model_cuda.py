@@ -163,13 +163,13 @@ def test_kv_cache_decoding_on_cuda_equals_the_full_forward(make_model, name, dty
     assert cache.seen == x.shape[1] and cache.layers[0].k.is_cuda
 
 
-@pytest.mark.parametrize("method", ["none", "mod"])
+@pytest.mark.parametrize("method", ["none", "mod", "depth_gate"])
 @torch.no_grad()
 def test_cached_decoding_never_waits_for_the_gpu(make_model, method):
     """A decoding step makes no host sync (torch.cuda's sync debug mode turns one into an error): on an
     H100 the cache's own-key mask once copied a CPU scalar to the GPU in every layer of every step, and
-    MoD's routed layers read their largest selected count (dispatch.mask_indices; one-token steps now
-    pad to one row instead: dispatch.pad_without_sync)."""
+    routed layers sized their work by reading their decision on the host (MoD's largest selected count,
+    the depth gate's full-path count; one-token steps no longer do: dispatch.one_token_gpu_step)."""
     model, cfg = make_model(f"routing.method={method}", seed=0)
     model.cuda().eval()
     x = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()

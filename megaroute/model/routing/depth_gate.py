@@ -179,6 +179,8 @@ class DepthGateLayer(nn.Module):
         The FFNs act per token, so the buffers are flat over the batch: no padding, no per-path
         gather/combine pair; unpermute adds each token's update to its residual h.
         """
+        if dispatch.one_token_gpu_step(full):  # both FFNs, each token keeps its own: no host sync for n_full
+            return h + torch.where(full.unsqueeze(-1), self.block.mlp_update(u), self.cheap(u))
         slot, n_full = reference.path_slots(full)
         tokens = self.dispatcher.permute(u, slot)
         # Both FFNs run even on an empty buffer: a module skipped on one data-parallel rank only would

@@ -32,22 +32,24 @@ def mask_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Selected positions come first in ascending order, padding (unselected positions) after, so
     a causal mask in index order never lets a real token see padding. kmax is the largest count,
     read on the host (a sync on a GPU), except for one-token steps on a GPU (incremental decoding:
-    every routed layer, every token), where kmax = 1 whatever the mask (no sync): a row that runs
-    nothing is one padded row, which runs the block, adds nothing and writes no key.
+    every routed layer, every token: one_token_gpu_step), where kmax = 1 whatever the mask (no sync):
+    a row that runs nothing is one padded row, which runs the block, adds nothing and writes no key.
     """
     B, T = mask.shape
     counts = mask.sum(dim=1)
-    kmax = T if pad_without_sync(mask) else int(counts.max()) if B > 0 else 0
+    kmax = T if one_token_gpu_step(mask) else int(counts.max()) if B > 0 else 0
     pos = torch.arange(T, device=mask.device).expand(B, T)
     order = torch.where(mask, pos, pos + T).argsort(dim=1)[:, :kmax]
     valid = torch.arange(kmax, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
     return order, valid
 
 
-def pad_without_sync(mask: torch.Tensor) -> bool:
-    """mask_indices pads to T instead of reading the largest count: one-token steps on a GPU, where a
-    padded row costs less than the host waiting for the device (CPU: no sync to save, and the block
-    would run for tokens that skip it)."""
+def one_token_gpu_step(mask: torch.Tensor) -> bool:
+    """A routing decision mask [B, T] of a one-token step (incremental decoding) on a GPU. There a
+    routed layer does not size its work by reading the decision on the host (a sync per layer and
+    token): mask_indices pads to T = 1 row, the depth gate runs both FFNs and keeps each token's own.
+    The extra compute costs less than the host waiting for the device. On CPU there is no sync to
+    save, and the extra work would be real time."""
     return mask.shape[1] == 1 and mask.device.type != "cpu"
 
 
