@@ -163,8 +163,8 @@ def test_activation_estimate_matches_saved_tensors(dtype, precision, routing):
         estimate += B * sum(model_cfg.n_heads * saved_probability_elements(n) * p for n in tokens)
     assert estimate == activation_bytes(model_cfg, routing_cfg, T, B, precision, device="cpu") + cpu_activation_bytes(
         model_cfg, routing_cfg, T, B, precision)  # what the CPU estimate adds up
-    # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices.
-    assert estimate == pytest.approx(measured, rel=0.04)
+    # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices (0.2-1.6% here).
+    assert estimate == pytest.approx(measured, rel=0.02)
 
 
 def _training_rows(out: str) -> dict[str, tuple[float, float]]:
