@@ -34,9 +34,9 @@ it, in activation elements:
                         input); the fused RMSNorms (apex on CUDA, norm.py's on CPU)
                         keep only these                                        = 4d
     TP-sharded:         rotated q, k and v (3d: the fused split+RoPE writes them fresh and keeps
-                        no qkv), attention output and its reshaped copy (2d; on CPU the
-                        attention writes its rows [B, T, H, Dh], so the reshape is a view: d),
-                        gate|up (2f), silu(gate), product                      = 5d + 4f (CPU 4d + 4f)
+                        no qkv), attention output and its reshaped copy (2d; where CPU
+                        attention writes its rows [B, T, H, Dh] the reshape is a view: d,
+                        _attention_in_rows), gate|up (2f), silu(gate), product = 5d + 4f (or 4d + 4f)
 CPU adds `cpu_activation_bytes` (bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
@@ -164,7 +164,7 @@ def activation_bytes(
     p = ACTIVATION_BYTES[precision]
     T, d, f, V = seq_len, model.d_model, model.ffn_hidden, model.vocab_size
 
-    attn_out = 1 if device == "cpu" else 2  # the attention output, and on CUDA its reshaped copy
+    attn_out = 1 if _attention_in_rows(device, precision, T) else 2  # the output, and its reshaped copy
 
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
         return n * (4 * d + ((3 + attn_out) * d + 4 * f) / tp)
@@ -187,6 +187,14 @@ def activation_bytes(
     loss = T * 4 if _chunked_loss(device, tp) else T * V / tp * 4
     head = 2 * T * d * p + T * V / tp * p + loss
     return int(micro_batch * (body + head))
+
+
+def _attention_in_rows(device: str, precision: str, seq_len: int) -> bool:
+    """The attention writes its output rows [B, T, H, Dh] (attention.causal_attention on CPU: the
+    fused float32 kernel, bf16's explicit matmuls up to EAGER_MAX_LEN), so the output projection's
+    input is a view of it; torch's SDPA (CUDA, longer bf16) returns [B, H, T, Dh] rows, reshaped
+    into a copy."""
+    return device == "cpu" and (precision == "fp32" or (precision == "bf16" and seq_len <= EAGER_MAX_LEN))
 
 
 def _chunked_loss(device: str, tp: int) -> bool:

@@ -15,7 +15,7 @@ from megaroute.flops import COMPONENTS, config_flops, estimate_flops
 from megaroute.inspect import param_counts
 from megaroute.memory import activation_bytes, cpu_activation_bytes, zero_model_state_bytes
 from megaroute.model import build_model
-from megaroute.model.attention import saved_probability_elements
+from megaroute.model.attention import EAGER_MAX_LEN, saved_probability_elements
 from megaroute.train.loop import TRAIN_FORWARD
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -164,6 +164,18 @@ def test_activation_estimate_matches_saved_tensors(dtype, precision, routing):
     assert estimate == activation_bytes(model_cfg, routing_cfg, T, B, precision, device="cpu") + cpu_activation_bytes(
         model_cfg, routing_cfg, T, B, precision)  # what the CPU estimate adds up
     # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices (0.2-1.6% here).
+    assert estimate == pytest.approx(measured, rel=0.02)
+
+
+def test_activation_estimate_of_long_bf16_sequences_counts_sdpa_output_copy():
+    """Past EAGER_MAX_LEN CPU bf16 attention is torch's SDPA, whose [B, H, T, Dh] output the output
+    projection reshapes into a copy (two tensors, not one view): the estimate follows the path."""
+    T = EAGER_MAX_LEN + 76
+    model_cfg = ModelConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, max_seq_len=2048, dtype="bfloat16")
+    torch.manual_seed(0)
+    measured = _saved_activation_bytes(build_model(model_cfg, RoutingConfig()), torch.randint(0, 1024, (1, T)))
+    estimate = activation_bytes(model_cfg, RoutingConfig(), T, 1, "bf16", device="cpu")
+    assert cpu_activation_bytes(model_cfg, RoutingConfig(), T, 1, "bf16") == 0
     assert estimate == pytest.approx(measured, rel=0.02)
 
 
