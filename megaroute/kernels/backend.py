@@ -47,9 +47,16 @@ def _auto_cuda(ops: ModuleType) -> SimpleNamespace:
     return SimpleNamespace(**{op: getattr(reference if op in AUTO_TORCH_OPS else ops, op) for op in DISPATCH_OPS})
 
 
+@cache
+def _ops_shipped() -> bool:
+    """False in a converted model's remote code (megaroute.hf.bundle), which ships no Triton kernels:
+    there the PyTorch paths run on CUDA too."""
+    return importlib.util.find_spec("triton") is not None and importlib.util.find_spec(f"{__package__}.ops") is not None
+
+
 def _compiled_triton(device: torch.device) -> Optional[ModuleType]:
-    """ops when Triton kernels run compiled on `device` (CUDA, triton installed, not interpreted)."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    """ops when Triton kernels run compiled on `device` (CUDA, triton and the kernels there, not interpreted)."""
+    if device.type != "cuda" or not _ops_shipped():
         return None
     ops = _triton_ops()
     return None if ops.tk.INTERPRETED else ops  # the interpreter on GPU tensors: orders of magnitude slower

@@ -87,12 +87,9 @@ def test_bundle_is_the_package_source_with_imports_rewritten(bundle):
     assert "class RoutingConfig:" in schema and "class ModelConfig:" in schema
 
 
-def test_bundle_builds_the_same_model(bundle, make_model):
-    """The generated modules, imported as a package, build megaroute's model and compute its logits."""
-    import torch
-
-    from megaroute.model import ForwardOptions
-
+@pytest.fixture
+def bundle_package(bundle):
+    """The generated modules imported as a package, mr_bundle_test (removed from sys.modules afterwards)."""
     out, _ = bundle
     spec = importlib.util.spec_from_file_location("mr_bundle_test", out / "__init__.py",
                                                   submodule_search_locations=[str(out)])
@@ -101,25 +98,45 @@ def test_bundle_builds_the_same_model(bundle, make_model):
     sys.modules["mr_bundle_test"] = pkg
     try:
         spec.loader.exec_module(pkg)
-        modeling = importlib.import_module("mr_bundle_test.modeling_megaroute")
-        assert not [m for m in sys.modules if m.startswith("mr_bundle_test.") and "megaroute." in m]
-        for overrides in (("routing.method=mod",), ("routing.method=halting",), ("routing.method=depth_gate",),
-                          ("routing.method=moe", "routing.moe.top_k=2"),
-                          ("routing.method=mode_integrated", "routing.moe.router=expert_choice")):
-            model, cfg = make_model(*overrides, "routing.capacity=0.5", "routing.moe.num_experts=4",
-                                    "routing.moe.expert_hidden=16")
-            config = modeling.MegarouteConfig(megaroute_model=dataclasses.asdict(cfg.model),
-                                              megaroute_routing=dataclasses.asdict(cfg.routing))
-            theirs = modeling.MegarouteForCausalLM(config).eval()
-            theirs.model.load_state_dict(model.state_dict())
-            x = torch.randint(0, 60, (2, 24))
-            with torch.no_grad():
-                torch.testing.assert_close(theirs(x).logits, model.eval()(x, options=ForwardOptions(mode="causal")).logits,
-                                           atol=1e-5, rtol=0)
+        yield pkg
     finally:
         for name in [m for m in sys.modules if m == "mr_bundle_test" or m.startswith("mr_bundle_test.")]:
             del sys.modules[name]
 
+
+def test_bundle_builds_the_same_model(bundle_package, make_model):
+    """The generated modules, imported as a package, build megaroute's model and compute its logits."""
+    import torch
+
+    from megaroute.model import ForwardOptions
+
+    modeling = importlib.import_module("mr_bundle_test.modeling_megaroute")
+    assert not [m for m in sys.modules if m.startswith("mr_bundle_test.") and "megaroute." in m]
+    for overrides in (("routing.method=mod",), ("routing.method=halting",), ("routing.method=depth_gate",),
+                      ("routing.method=moe", "routing.moe.top_k=2"),
+                      ("routing.method=mode_integrated", "routing.moe.router=expert_choice")):
+        model, cfg = make_model(*overrides, "routing.capacity=0.5", "routing.moe.num_experts=4",
+                                "routing.moe.expert_hidden=16")
+        config = modeling.MegarouteConfig(megaroute_model=dataclasses.asdict(cfg.model),
+                                          megaroute_routing=dataclasses.asdict(cfg.routing))
+        theirs = modeling.MegarouteForCausalLM(config).eval()
+        theirs.model.load_state_dict(model.state_dict())
+        x = torch.randint(0, 60, (2, 24))
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(x).logits, model.eval()(x, options=ForwardOptions(mode="causal")).logits,
+                                       atol=1e-5, rtol=0)
+
+
+def test_bundle_on_cuda_takes_the_pytorch_paths(bundle_package):
+    """The bundle ships no Triton kernels: on CUDA tensors its RoPE and dispatch must not look for them
+    (on an H100, a converted MoD model's first CUDA forward raised ImportError: `<bundle>.ops`)."""
+    import torch
+
+    backend = importlib.import_module("mr_bundle_test.megaroute_kernels_backend")
+    reference = importlib.import_module("mr_bundle_test.megaroute_kernels_reference")
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    assert backend._compiled_triton(cuda) is None
+    assert backend.resolve("auto", cuda) is reference
 
 
 def test_a_needed_module_that_cannot_be_shipped_is_an_error(monkeypatch):
