@@ -1,8 +1,11 @@
-"""Shared fixtures. Nothing here changes global state outside a fixture's own scope."""
+"""Shared fixtures. Nothing here changes global state outside a fixture's own scope, except that SIGTERM
+ends a test run as Ctrl-C does (pytest_configure)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -29,6 +32,17 @@ TINY_OVERRIDES = (
     "train.max_steps=10",
     "tracking.enabled=false",
 )
+
+
+def pytest_configure(config):
+    """SIGTERM (`timeout`, CI cancelling a run) ends the run as Ctrl-C does: fixtures tear down and exit
+    handlers run, so the training jobs tests launched in their own sessions are killed
+    (integration/conftest.py Job), not left running on the machine."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -43,13 +44,27 @@ def char_data(tmp_path_factory) -> str:
     return out
 
 
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL a job's process group (the launcher and whatever of it outlived the launcher)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 class Job:
-    """One launched training job (a launcher process plus its ranks, in their own session)."""
+    """One launched training job (a launcher process plus its ranks, in their own session).
+
+    Its own session keeps it out of the test run's signals, so a job that outlives its test (a failed
+    assertion before wait, an interrupted run: tests/conftest.py turns SIGTERM into KeyboardInterrupt)
+    is killed when the Job is collected or, at the latest, when the test process exits."""
 
     def __init__(self, args: list[str], env: dict, log: Path):
         self.log = log
         self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        self._reap = weakref.finalize(self, _kill_session, self.proc)
 
     def wait(self, timeout: float = 300) -> int:
         try:
@@ -59,11 +74,7 @@ class Job:
             raise AssertionError(f"job timed out; log:\n{self.output()[-4000:]}")
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        self._reap()
 
     def output(self) -> str:
         return self.log.read_text()
