@@ -43,7 +43,11 @@ test: install system-deps
 # machine `pip install torch==2.13.0` from PyPI is the CUDA build; a venv copied from a CPU
 # machine keeps its CPU build (make clean, then make gpu-check).
 # `make gpu-suite PY=python3` runs the same without the install step, on a machine whose Python
-# already holds CUDA torch and the dependencies (an offline GPU node).
+# already holds CUDA torch and the dependencies (an offline GPU node). It collects only the files
+# holding CUDA tests (GPU_TESTS; tests/cuda/test_harness.py checks the list), so the rest of the
+# suite's imports (mlflow, lm-eval, ...) need not be there. A short lease: GPU_PYTEST_ARGS="-ra -n 8"
+# runs the 22 launcher cases (two DeepSpeed jobs each) side by side.
+GPU_TESTS ?= tests/cuda tests/unit/kernels/test_kernels.py
 GPU_PYTEST_ARGS ?= -ra
 gpu-check: install gpu-suite
 
@@ -53,7 +57,7 @@ gpu-suite:
 	        + (torch.cuda.get_device_name() if ok else "no CUDA device")); \
 	  sys.exit(0 if ok else "gpu-check: no CUDA device visible to torch" \
 	           + (" (CPU-only build: make clean && make gpu-check)" if torch.version.cuda is None else ""))'
-	MEGAROUTE_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda tests $(GPU_PYTEST_ARGS)
+	MEGAROUTE_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda $(GPU_TESTS) $(GPU_PYTEST_ARGS)
 	$(PY) -m megaroute.bench.step --device cuda
 	$(PY) -m megaroute.kernels.bench --dtype bfloat16 float16 float32
 

@@ -1,9 +1,10 @@
 """The CUDA smoke suite's own harness, checked on CPU (no device, a few seconds): every case of
 the matrix is a valid config, the one-GPU launch command is what the suite claims, and the suite
-collects without errors under `-m cuda`."""
+collects without errors under `-m cuda`, all of it from `make gpu-suite`'s GPU_TESTS."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -64,3 +65,13 @@ def test_suite_collects_under_the_cuda_marker():
     for module in ("test_kernels_cuda.py", "test_model_cuda.py", "test_hf_cuda.py", "test_bench_cuda.py"):
         assert any(module in line for line in collected), module
     assert not any("test_harness.py" in line for line in collected)  # this module runs everywhere
+
+
+def test_make_gpu_suite_collects_every_file_with_cuda_tests():
+    """`make gpu-suite` collects only GPU_TESTS (an offline GPU node lacks the other tests' imports):
+    every test file that marks CUDA tests must be in it."""
+    listed = re.search(r"^GPU_TESTS \?= (.+)$", (h.REPO / "Makefile").read_text(), re.M).group(1).split()
+    marked = {str(p.relative_to(h.REPO)) for p in (h.REPO / "tests").rglob("test_*.py")
+              if re.search(r"mark\.cuda\b", p.read_text())}
+    assert marked and all(any(f == entry or f.startswith(entry.rstrip("/") + "/") for entry in listed)
+                          for f in marked), (sorted(marked), listed)
