@@ -587,10 +587,19 @@ void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& target, cons
 
 constexpr int64_t kQueryBlock = 64;
 
-// dst [cols, rows] = src [rows, cols]^T, src rows `ld_src` apart. ATen's 16 x 16 register-tile
-// transpose (AVX-512; a scalar loop elsewhere): 10% of the backward's time against a scalar tiled loop.
+// dst [cols, rows] = src [rows, cols]^T, src rows `ld_src` apart. AVX-512: ATen's 16 x 16 register
+// tiles (the backward 10% faster than with the scalar tiled loop); AVX2, whose ATen transpose of any
+// shape is an untiled scalar loop: the tiled loop.
 inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t rows, int64_t cols) {
+#if defined(CPU_CAPABILITY_AVX512)
   at::vec::transpose_mxn<float>(src, ld_src, dst, rows, static_cast<int>(rows), static_cast<int>(cols));
+#else
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
+      for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c) dst[c * rows + r] = src[r * ld_src + c];
+#endif
 }
 
 struct HeadView {  // one head (b, h) of a float32 [B, H, T, Dh] tensor: rows `row` apart
