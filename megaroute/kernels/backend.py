@@ -3,7 +3,8 @@
     torch   reference.py everywhere (autograd does the backward)
     triton  the fused kernels; on CPU tensors only under the Triton interpreter (TRITON_INTERPRET=1)
     auto    for CUDA tensors when triton is installed: the Triton kernels except those torch's own op
-            outran on a GPU (AUTO_TORCH_OPS); torch otherwise
+            outran on a GPU (AUTO_TORCH_OPS); torch otherwise, and wherever the kernels module is
+            absent (a converted model's remote code, megaroute.hf.bundle)
 
 Resolved per call from the input's device (a layer is often built on CPU and moved later), so
 nothing is cached here.
