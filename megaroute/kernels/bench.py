@@ -58,14 +58,20 @@ def _peak_gbs(device: torch.device) -> tuple[float | None, str]:
     return None, "unknown device"
 
 
-def _copy_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
-    """Achievable bandwidth: a device-to-device copy of nbytes (read + write)."""
+def _timer() -> Callable[[Callable[[], object]], float]:
+    """Triton's do_bench (L2 flushed before each timed call), returning the median in ms, not its
+    default mean: on an H100 one width's column ran 2-8x slow for every kernel in one session and
+    another width's in the next, which a few outlying calls would explain."""
     from triton.testing import do_bench
 
+    return lambda fn: do_bench(fn, return_mode="median")
+
+
+def _copy_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Achievable bandwidth: a device-to-device copy of nbytes (read + write)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src))
-    del src, dst
+    ms = _timer()(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -83,8 +89,8 @@ def _unfused(B, T, D):
 
 def bench_cuda(args) -> None:
     import triton
-    from triton.testing import do_bench
 
+    do_bench = _timer()
     device = torch.device("cuda")
     ops = resolve("triton", device)
     peak, source = (args.peak_gbs, "--peak-gbs") if args.peak_gbs else _peak_gbs(device)
