@@ -45,10 +45,11 @@ test: install system-deps
 # `make gpu-suite PY=python3` runs the same without the install step, on a machine whose Python
 # already holds CUDA torch and the dependencies (an offline GPU node). It collects only the files
 # holding CUDA tests (GPU_TESTS; tests/cuda/test_harness.py checks the list), so the rest of the
-# suite's imports (mlflow, lm-eval, ...) need not be there. A short lease: GPU_PYTEST_ARGS="-ra -n 8"
-# runs the 22 launcher cases (two DeepSpeed jobs each) side by side.
+# suite's imports (mlflow, lm-eval, ...) need not be there. A short lease: GPU_PYTEST_ARGS="-v -ra -n 8"
+# runs the 22 launcher cases (two DeepSpeed jobs each) side by side. -v names each test as it ends,
+# so a run cut short by its lease still says which passed.
 GPU_TESTS ?= tests/cuda tests/unit/kernels/test_kernels.py
-GPU_PYTEST_ARGS ?= -ra
+GPU_PYTEST_ARGS ?= -v -ra
 gpu-check: install gpu-suite
 
 gpu-suite:
