@@ -13,6 +13,7 @@ import time
 
 from mlflow.tracking import MlflowClient
 
+from .argtypes import positive_int
 from . import metric_names as names
 from .config import load_config
 from .flops import flops_per_token
@@ -60,7 +61,7 @@ def _opt(value: float, fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--nprocs", type=positive_int, default=2)
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = p.parse_args(argv)
     rows = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .argtypes import positive_int
 from .config import Config, RoutingConfig, load_config
 from .config.cli import add_config_args
 from .config.schema import parse_size
@@ -172,9 +173,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="parameters, FLOPs and memory of a config (meta device, no memory)")
     add_config_args(p)
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="default: optim.zero_stage")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp)")
-    p.add_argument("--dp", type=int, help="data-parallel size (default: parallel.dp, or 1 if it is 0)")
-    p.add_argument("--micro-batch", type=int, help="sequences per GPU (default: train.micro_batch_size)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: parallel.tp)")
+    p.add_argument("--dp", type=positive_int, help="data-parallel size (default: parallel.dp, or 1 if it is 0)")
+    p.add_argument("--micro-batch", type=positive_int, help="sequences per GPU (default: train.micro_batch_size)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--fit", action="store_true",
                    help="largest micro-batch that fits the device under each ZeRO stage, with and without "

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..argtypes import positive_int
 from ..config import ConfigError
 from ..train.tracking import config_uri
 from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
@@ -22,9 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default="val", choices=["val", "train"], help="prepared split to evaluate on")
     p.add_argument("--data-dir", help="prepared data directory (default: the run's data.output_dir)")
     p.add_argument("--reference", help="dense baseline run/checkpoint: token entropy and dense loss come from it")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens to evaluate (whole sequences)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--bins", type=int, default=5, help="entropy quantile bins")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens to evaluate (whole sequences)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--bins", type=positive_int, default=5, help="entropy quantile bins")
     p.add_argument("--out", help="report directory (default: <run dir>/audit)")
     p.add_argument("--experiment", help="MLflow experiment whose FINISHED runs, grouped by variant and seed, give "
                                         "the seed-variance section (final eval/loss, Student-t intervals)")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..argtypes import positive_int
 from ..audit.report import audit_model
 from ..config import load_config
 from ..model import build_model
@@ -21,8 +22,8 @@ from ..model import build_model
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="configs/tiny_mod.yaml,configs/mod_157m.yaml")
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--batch-size", type=positive_int, default=4)
     args = p.parse_args(argv)
     print(f"{'config':<28}{'params':>10}{'seq':>6}{'tokens':>8}{'wall s':>9}{'tokens/s':>10}")
     for path in args.configs.split(","):

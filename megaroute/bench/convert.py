@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from ..argtypes import non_negative_int, positive_int
 from ..config import load_config
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import prepare
@@ -189,24 +190,19 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="char")
     p.add_argument("--dense", help="dense config (default: the shape's)")
     p.add_argument("--mod", help="MoD config of the same shape (default: the shape's)")
-    p.add_argument("--steps", type=int, help="training steps of each model (default: 200 for char, 0 for 157m)")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: a loaded machine)")
+    p.add_argument("--steps", type=non_negative_int, help="training steps of each model (default: 200 for char, 0 for 157m)")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--new-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: a loaded machine)")
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     dense_cfg, mod_cfg, steps = SHAPES[args.shape]
     args.dense = args.dense or os.path.join(REPO, dense_cfg)
     args.mod = args.mod or os.path.join(REPO, mod_cfg)
     args.steps = steps if args.steps is None else args.steps
-    for name in ("batch", "seq_len", "prompt_len", "new_tokens", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.steps < 0:
-        p.error("--steps must be >= 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..argtypes import positive_int
 from ..config import DataConfig, TokenizerConfig, load_config
 from ..data.ingest import open_corpus
 from ..data.loader import PackedDataset, SequenceLoader
@@ -160,11 +161,11 @@ def loader_overhead(out_dir: str, steps: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--synthetic-mb", type=int, default=50)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N alternating runs")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--synthetic-mb", type=positive_int, default=50)
+    parser.add_argument("--workers", type=positive_int, default=2)
+    parser.add_argument("--vocab-size", type=positive_int, default=4096)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="best of N alternating runs")
+    parser.add_argument("--steps", type=positive_int, default=20)
     args = parser.parse_args(argv)
 
     print(f"cpus: {os.cpu_count()}, load average at start: {os.getloadavg()[0]:.2f}")

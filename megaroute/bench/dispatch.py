@@ -24,6 +24,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..argtypes import positive_int
 from ..config import load_config
 from ..model import ForwardOptions, build_model
 from .noise import per_round, round_order, verdict
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="nanogpt,char")
     p.add_argument("--fracs", default="1.0,0.8,0.5")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=positive_int, default=15)
     args = p.parse_args(argv)
     shapes = args.shapes.split(",")
     for s in shapes:

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..argtypes import non_negative_int, positive_int
 from ..config import load_config
 from ..model import build_model
 from ..train import engine as ds
@@ -104,11 +105,11 @@ def bench_logging(step_s: float, calls: int = 200) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
+    p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--models", default="tiny,384")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: one per CPU this process may use)")
+    p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
     args = p.parse_args(argv)
     for name in args.models.split(","):
         if name not in SHAPES:

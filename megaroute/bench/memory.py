@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from megaroute.argtypes import positive_int
 from megaroute.config import load_config
 from megaroute.data.prepare import prepare
 from megaroute.memory import estimate_for_config
@@ -178,7 +179,7 @@ def _prepare(data_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="three cases (tiny dense, tiny MoD, small ZeRO-2 x 2)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per case (one evaluation after them)")
+    p.add_argument("--steps", type=positive_int, default=2, help="optimizer steps per case (one evaluation after them)")
     p.add_argument("--no-157m", action="store_true", help="skip dense_157m (needs ~8 GiB of RAM and minutes)")
     p.add_argument("--only", help="run the cases whose name contains this text")
     p.add_argument("--json", help="also write the per-rank results here")

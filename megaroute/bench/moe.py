@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..argtypes import positive_int
 from .. import metric_names as names
 from ..config import Config, load_config
 from ..data import INDEX_FILE
@@ -295,19 +296,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_DENSE_STEPS} char_dense steps, seed 0, fewer "
                    "timing repeats (minutes on 2 CPU cores)")
-    p.add_argument("--dense-steps", type=int, default=None,
+    p.add_argument("--dense-steps", type=positive_int, default=None,
                    help="char_dense training steps: the FLOP budget and the token count (default: its train.max_steps)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="train.seed of each repetition "
                    "(default 0 1 2; --quick: 0)")
-    p.add_argument("--jobs", type=int, default=1, help="trainings at once (one CPU thread each)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads of each training and of the step timing")
+    p.add_argument("--jobs", type=positive_int, default=1, help="trainings at once (one CPU thread each)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads of each training and of the step timing")
     p.add_argument("--runs-dir", help="default: runs/bench_moe (runs/bench_moe_quick with --quick)")
     p.add_argument("--reuse", action="store_true", help="keep finished runs of the same steps and seed")
     p.add_argument("--only", choices=["compare", "step_time"], default=None)
     args = p.parse_args(argv)
-    for key in ("dense_steps", "jobs", "threads"):
-        if getattr(args, key) is not None and getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')} must be >= 1")
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     if len(set(seeds)) != len(seeds):
         p.error(f"--seeds must be distinct, got {seeds}")

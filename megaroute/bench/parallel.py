@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..argtypes import non_negative_int, positive_int
 from ..config import ModelConfig, RoutingConfig
 from ..inspect import param_counts
 from ..model import build_model
@@ -141,14 +142,14 @@ def _fmt_bytes(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=positive_int, default=5)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--method", default="none", choices=list(METHODS))
-    p.add_argument("--tp", type=int, default=2, help="TP size for the communication estimate")
-    p.add_argument("--dp", type=int, default=1, help="DP size for the communication estimate")
-    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--tp", type=positive_int, default=2, help="TP size for the communication estimate")
+    p.add_argument("--dp", type=positive_int, default=1, help="DP size for the communication estimate")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
     p.add_argument("--precision", default="fp32", choices=sorted(BYTES))
     p.add_argument("--skip-timing", action="store_true", help="only the communication estimate")
     a = p.parse_args(argv)

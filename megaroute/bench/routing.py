@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..argtypes import positive_int
 from .. import metric_names as names
 from ..audit.report import load_run_model
 from ..config import Config, load_config
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS_SCALE:g} of the steps, fewer settings")
     p.add_argument("--only", choices=sorted(SUITES), action="append", help="run these parts (repeatable)")
     p.add_argument("--reuse", action="store_true", help="keep finished runs of the same steps in the runs dir")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads of each training and of the in-process "
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads of each training and of the in-process "
                    "part (1: on shared cores, two threads per process stalled each other, 370 vs 6,700 tok/s)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -75,6 +75,7 @@ from typing import Callable, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..argtypes import non_negative_int, positive_float, positive_int
 from ..config import ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
@@ -555,26 +556,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="explicit configs to compare (model + routing sections; named by `variant`)")
     parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, default=None,
                         help="which variants to time (default: all on CPU; the configs' dense and mod on CUDA)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
-    parser.add_argument("--batch", type=int, nargs="+", default=None,
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per variant")
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=None,
                         help="micro-batch size(s) (default: 8 on CPU, 8 and 16 on CUDA)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 1024 on CUDA")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="default: 256 on CPU, 1024 on CUDA")
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
                         help="default: fp32 bf16 on CPU; bf16 on CUDA (fp16 on GPUs without bf16, e.g. V100)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+    parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
                         help="intra-op threads (default: the cores this process may use)")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="CPU only. wall: elapsed time; thread: CPU time of this thread, immune to other load on "
                              "a shared machine (needs --threads 1: with one intra-op thread all work runs here)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="CUDA: the device's peak for MFU")
-    parser.add_argument("--peak-size", type=int, default=2048,
+    parser.add_argument("--peak-tflops", type=positive_float, default=None, help="CUDA: the device's peak for MFU")
+    parser.add_argument("--peak-size", type=positive_int, default=2048,
                         help="CPU: n of the n x n x n matmul timed once per round as the measured peak")
     parser.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
                         help="CUDA: also time greedy KV-cache sampling of each variant (default on CUDA)")
-    parser.add_argument("--sample-batch", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sample-batch", type=positive_int, default=1)
+    parser.add_argument("--prompt-len", type=positive_int, default=32)
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--compile", action="store_true",
                         help="also time each variant (but reference) with its blocks torch.compile'd, as "
                              "`<variant>+compile` (train.compile: true)")
@@ -583,8 +584,6 @@ def main(argv: list[str] | None = None) -> int:
                              "time per phase and the step's host syncs, by call site)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    if args.steps < 1 or args.warmup < 0 or args.peak_size < 1:
-        parser.error("need --steps >= 1, --warmup >= 0 and --peak-size >= 1")
     if args.clock == "thread" and (args.threads != 1 or cuda):
         parser.error("--clock thread needs --threads 1 (and the CPU device)")
     if cuda and not torch.cuda.is_available():
@@ -610,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (shape, _) in variants.items():
         if args.seq_len > shape.max_seq_len:
             parser.error(f"--seq-len {args.seq_len} exceeds {name}'s model.max_seq_len={shape.max_seq_len}")
+        if args.sample and args.prompt_len + args.new_tokens > shape.max_seq_len:
+            parser.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds {name}'s "
+                         f"model.max_seq_len={shape.max_seq_len}")
     if cuda:
         run_cuda(args, variants)
         return 0

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from ..argtypes import positive_float
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
 from .adapter import StateDictAdapter
@@ -234,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored; fp32 for ZeRO-3)")
     p.add_argument("--tokenizer", help="prepared data dir or tokenizer file (default: the run's data.output_dir)")
     p.add_argument("--config", help="the run's config.yaml (default: found above the checkpoint)")
-    p.add_argument("--max-shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GiB",
+    p.add_argument("--max-shard-size", type=positive_float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GiB",
                    help="split model.safetensors above this size (default 0.5)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--skip-verify", action="store_true",

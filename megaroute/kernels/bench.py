@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from megaroute.argtypes import fraction, positive_float, positive_int
 from megaroute.config import ModelConfig, RoutingConfig
 from megaroute.model.rope import Positions, RotaryEmbedding
 from megaroute.model.routing import build_layer
@@ -214,16 +215,16 @@ def bench_cpu(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--capacity", type=float, default=0.125)
-    p.add_argument("--d", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--capacity", type=fraction, default=0.125)
+    p.add_argument("--d", type=positive_int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16", "float32"], default=["bfloat16"])
-    p.add_argument("--peak-gbs", type=float, default=None, help="override the device's peak bandwidth")
-    p.add_argument("--cpu-batch", type=int, default=2)
-    p.add_argument("--cpu-seq-len", type=int, default=512)
-    p.add_argument("--cpu-d", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--peak-gbs", type=positive_float, default=None, help="override the device's peak bandwidth")
+    p.add_argument("--cpu-batch", type=positive_int, default=2)
+    p.add_argument("--cpu-seq-len", type=positive_int, default=512)
+    p.add_argument("--cpu-d", type=positive_int, default=512)
+    p.add_argument("--repeat", type=positive_int, default=5)
     p.add_argument("--cpu", action="store_true", help="the CPU measurement even where CUDA is available")
     args = p.parse_args(argv)
     if torch.cuda.is_available() and not args.cpu:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..argtypes import non_negative_int, positive_int
 from ..config import load_config
 from ..train.tracking import config_uri
 from . import local, report
@@ -57,16 +58,16 @@ def add_parser(sub) -> None:
     plan.add_argument("--dry-run", action="store_true", help="also print the exact sbatch and per-task commands")
     point = spec_parser("point", "print the slurm/pretrain.sh arguments of one point (used by array tasks)",
                         run_point)
-    point.add_argument("--index", type=int, required=True, help="array index ($SLURM_ARRAY_TASK_ID)")
+    point.add_argument("--index", type=non_negative_int, required=True, help="array index ($SLURM_ARRAY_TASK_ID)")
     point.add_argument("--parent-run", default=None, help="MLflow parent run id to nest the run under")
     submit = spec_parser("submit", "open the parent MLflow run and submit the array and analysis jobs",
                          run_submit)
-    submit.add_argument("--max-parallel", type=int, default=None, help="array throttle (%%N)")
+    submit.add_argument("--max-parallel", type=positive_int, default=None, help="array throttle (%%N)")
     run = spec_parser("run", "run the sweep's points on this machine (resumable), then analyze (megaroute.sweep.local)",
                       run_local)
     run.add_argument("--local", action="store_true", required=True,
                      help="run here, one process per point (required: on Slurm use sbatch slurm/isoflop_sweep.sh)")
-    run.add_argument("--parallel", type=int, default=1, metavar="N", help="points at a time (default 1)")
+    run.add_argument("--parallel", type=positive_int, default=1, metavar="N", help="points at a time (default 1)")
     run.add_argument("--out", default=None, help="analysis base directory, as analyze (default: <runs_dir>/analysis)")
     run.add_argument("--metric", choices=("eval", "topk"), default="eval", help="loss the analysis fits (as analyze)")
     analyze = spec_parser("analyze", "fit isoFLOP curves from the sweep's MLflow runs; table + plots", run_analyze)

@@ -45,3 +45,32 @@ def test_routing_lives_in_the_model_and_kernels_in_the_package():
     assert (PACKAGE / "model" / "routing" / "__init__.py").is_file()
     assert (PACKAGE / "kernels" / "__init__.py").is_file()
     assert not (PACKAGE / "routing").exists() and not (PACKAGE.parent / "kernels").exists()
+
+
+# Numeric command-line options that take any integer on purpose (megaroute.argtypes bounds the rest).
+UNBOUNDED_OPTIONS = {
+    "--seed": "any integer seeds a generator",
+    "--seeds": "train.seed of each repetition: any integers",
+    "--local_rank": "set by the launcher, not typed by a user",
+}
+
+
+def _plain_numeric_options(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            kind = next((k.value for k in node.keywords if k.arg == "type"), None)
+            choices = any(k.arg == "choices" for k in node.keywords)
+            if isinstance(kind, ast.Name) and kind.id in ("int", "float") and not choices:
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                if not any(n in UNBOUNDED_OPTIONS for n in names):
+                    out.append((node.lineno, "/".join(names)))
+    return out
+
+
+def test_numeric_options_are_bounded():
+    """`--batch 0` must stop at argparse with the option named, not run and print 0 tokens/s or end in a
+    traceback: numeric options use megaroute.argtypes' converters."""
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}: {names}"
+                 for path in sorted(PACKAGE.rglob("*.py")) for line, names in _plain_numeric_options(path)]
+    assert not offenders, "use megaroute.argtypes (positive_int, ...) for:\n" + "\n".join(offenders)

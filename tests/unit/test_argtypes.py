@@ -1,0 +1,37 @@
+"""megaroute.argtypes: numeric options refuse out-of-range values at argparse, naming the option."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megaroute.argtypes import fraction, non_negative_int, positive_float, positive_int
+from megaroute.bench import step
+
+
+@pytest.mark.parametrize("convert, good, bad", [
+    (positive_int, {"1": 1, "64": 64}, ["0", "-1", "1.5", "x", ""]),
+    (non_negative_int, {"0": 0, "3": 3}, ["-1", "x"]),
+    (positive_float, {"0.5": 0.5, "1e3": 1000.0}, ["0", "-0.5", "nan", "inf", "x"]),
+    (fraction, {"1": 1.0, "0.125": 0.125}, ["0", "1.5", "-0.1", "nan"]),
+])
+def test_converters(convert, good, bad):
+    for text, value in good.items():
+        assert convert(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            convert(text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["--batch", "8", "-2"], "argument --batch: must be >= 1, got -2"),
+    (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),  # was silently the default, 256
+    (["--threads", "0"], "argument --threads: must be >= 1, got 0"),  # was a traceback from torch
+    (["--peak-tflops", "nan"], "argument --peak-tflops: must be a finite number > 0, got nan"),
+])
+def test_step_benchmark_names_the_bad_option(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        step.main([*argv, "--variants", "dense"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
