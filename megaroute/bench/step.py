@@ -560,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per variant")
     parser.add_argument("--batch", type=positive_int, nargs="+", default=None,
                         help="micro-batch size(s) (default: 8 on CPU, 8 and 16 on CUDA)")
-    parser.add_argument("--seq-len", type=positive_int, default=None, help="default: 256 on CPU, 1024 on CUDA")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="default: 256 on CPU, 1024 on CUDA, or the shortest model.max_seq_len compared")
     parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16", "fp16"], default=None,
                         help="default: fp32 bf16 on CPU; bf16 on CUDA (fp16 on GPUs without bf16, e.g. V100)")
     parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
@@ -592,13 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         bf16 = torch.cuda.get_device_capability() >= (8, 0)
         args.precision = args.precision or ["bf16" if bf16 else "fp16"]
-        args.batch, args.seq_len = args.batch or [8, 16], args.seq_len or 1024
+        args.batch = args.batch or [8, 16]
         args.sample = True if args.sample is None else args.sample
     else:
         if args.precision and "fp16" in args.precision:
             parser.error("--precision fp16 is for CUDA (CPU autocast runs bf16)")
         args.precision = args.precision or ["fp32", "bf16"]
-        args.batch, args.seq_len = args.batch or [8], args.seq_len or 256
+        args.batch = args.batch or [8]
     if args.variants and "dense" not in args.variants:
         parser.error("--variants must include dense (ratios are to dense)")
     variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
@@ -606,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
         variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name != REFERENCE})
+    if args.seq_len is None:  # the device's default, or the shortest context among the models compared
+        args.seq_len = min(1024 if cuda else 256, *(shape.max_seq_len for shape, _ in variants.values()))
     for name, (shape, _) in variants.items():
         if args.seq_len > shape.max_seq_len:
             parser.error(f"--seq-len {args.seq_len} exceeds {name}'s model.max_seq_len={shape.max_seq_len}")

@@ -108,6 +108,13 @@ def test_step_benchmark_variant_selection(capsys, small_shape):
         step.main(["--variants", "mod"])  # ratios need dense
 
 
+def test_default_length_fits_the_models_compared(capsys, small_shape):
+    # CPU's default is 256 tokens; models with a shorter context (here 32) run at theirs, not an error
+    assert step.main(["--variants", "dense", "--steps", "1", "--warmup", "0", "--batch", "1", "--precision", "fp32",
+                      "--threads", "1", "--peak-size", "64"]) == 0
+    assert "batch 1 x seq 32;" in capsys.readouterr().out
+
+
 def test_thread_clock_needs_one_thread(small_shape):
     with pytest.raises(SystemExit):
         step.main(["--threads", "2", "--clock", "thread"])
