@@ -13,9 +13,9 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from .argtypes import positive_int
 from . import metric_names as names
-from .config import load_config
+from .argtypes import positive_int
+from .config import ConfigError, load_config
 from .flops import flops_per_token
 from .train.tracking import config_uri
 
@@ -64,15 +64,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nprocs", type=positive_int, default=2)
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = p.parse_args(argv)
+    if any(o.split("=", 1)[0].strip() == "name" for o in args.overrides):
+        # The demo deletes its runs' directories before training them again: they must be its own.
+        p.error("the demo names its runs (demo_dense, demo_mod); drop the name= override")
+    overrides = [*DEMO_OVERRIDES, *args.overrides]
+    # Both configs checked before anything is deleted or launched.
+    try:
+        cfgs = {variant: load_config(config, [f"name=demo_{variant}", *overrides]) for variant, config in RUNS}
+    except ConfigError as e:
+        p.error(str(e))
     rows = []
     start = time.time()
     for variant, config in RUNS:
-        name = f"demo_{variant}"
-        overrides = [*DEMO_OVERRIDES, *args.overrides]
-        cfg = load_config(config, [f"name={name}", *overrides])
+        cfg = cfgs[variant]
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        _launch(config, name, args.nprocs, overrides)
-        rows.append((variant, _summary(cfg, name)))
+        try:
+            _launch(config, cfg.name, args.nprocs, overrides)
+        except subprocess.CalledProcessError as e:
+            print(f"megaroute demo: the {variant} run failed (exit {e.returncode}); its error is above",
+                  file=sys.stderr)
+            return e.returncode or 1
+        rows.append((variant, _summary(cfg, cfg.name)))
     print(f"\nmegaroute demo: dense vs Mixture-of-Depths on tinyshakespeare ({time.time() - start:.0f}s)\n")
     header = (f"{'variant':<8} {'eval/loss':>9} {'exec frac':>9} {'top-k loss*':>11} {'tokens/s':>10} "
               f"{'FLOPs/token':>12} {'MFU':>7}")

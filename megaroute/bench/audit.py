@@ -15,7 +15,7 @@ import torch
 
 from ..argtypes import positive_int
 from ..audit.report import audit_model
-from ..config import load_config
+from ..config import ConfigError, load_config
 from ..model import build_model
 
 
@@ -25,9 +25,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=positive_int, default=4096)
     p.add_argument("--batch-size", type=positive_int, default=4)
     args = p.parse_args(argv)
+    try:  # every config, before the first is timed
+        cfgs = {path: load_config(path) for path in args.configs.split(",")}
+    except ConfigError as e:
+        p.error(f"--configs: {e}")
     print(f"{'config':<28}{'params':>10}{'seq':>6}{'tokens':>8}{'wall s':>9}{'tokens/s':>10}")
-    for path in args.configs.split(","):
-        cfg = load_config(path)
+    for path, cfg in cfgs.items():
         torch.manual_seed(0)
         model = build_model(cfg.model, cfg.routing).eval()
         dense = build_model(cfg.model, load_config(path, ["routing.method=none"]).routing).eval()

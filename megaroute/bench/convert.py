@@ -39,7 +39,7 @@ import time
 import torch
 
 from ..argtypes import non_negative_int, positive_int
-from ..config import load_config
+from ..config import ConfigError, load_config
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import prepare
 from ..data.tokenizers import load_tokenizer
@@ -203,6 +203,11 @@ def main(argv=None) -> int:
     args.dense = args.dense or os.path.join(REPO, dense_cfg)
     args.mod = args.mod or os.path.join(REPO, mod_cfg)
     args.steps = steps if args.steps is None else args.steps
+    for flag, config in (("--dense", args.dense), ("--mod", args.mod)):  # both, before the first one trains
+        try:
+            load_config(config, ["model.dtype=float32"])
+        except ConfigError as e:
+            p.error(f"{flag}: {e}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 

@@ -187,8 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="no training: the table of a --json file's measured peaks beside the current estimate")
     args = p.parse_args(argv)
     if args.reestimate:
-        print(table(reestimate(args.reestimate), torch.cuda.is_available()))
+        try:
+            rows = reestimate(args.reestimate)
+        except (OSError, ValueError, LookupError, TypeError) as e:  # missing, a directory, not --json's format
+            p.error(f"--reestimate {args.reestimate}: not a results file written by --json ({type(e).__name__}: {e})")
+        print(table(rows, torch.cuda.is_available()))
         return 0
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(args.json) or ".")):
+        p.error(f"--json {args.json}: not a file in an existing directory")  # found now, not after the runs
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     todo = [c for c in cases(args.quick, not args.no_157m) if not args.only or args.only in c.name]
     results = []

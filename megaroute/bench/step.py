@@ -76,7 +76,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..argtypes import non_negative_int, positive_float, positive_int
-from ..config import ModelConfig, RoutingConfig, load_config
+from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, measure_matmul_flops, peak_flops
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
@@ -262,8 +262,8 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
     paths = configs or [str(CONFIGS / f"dense_{shape}.yaml"), str(CONFIGS / f"mod_{shape}.yaml")]
     out: dict[str, tuple[ModelConfig, RoutingConfig]] = {}
     for path in paths:
-        if not os.path.isfile(path):
-            raise SystemExit(f"no config {path} (the configs/ directory of a source checkout)")
+        if not configs and not os.path.isfile(path):
+            raise ConfigError("", f"--shape {shape} reads {path}: the configs/ directory of a source checkout")
         cfg = load_config(path, [])
         out[cfg.variant if cfg.variant not in out else cfg.name] = (cfg.model, cfg.routing)
     return out
@@ -602,7 +602,10 @@ def main(argv: list[str] | None = None) -> int:
         args.batch = args.batch or [8]
     if args.variants and "dense" not in args.variants:
         parser.error("--variants must include dense (ratios are to dense)")
-    variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
+    try:
+        variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
+    except ConfigError as e:
+        parser.error(str(e))
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")

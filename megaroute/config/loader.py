@@ -69,13 +69,17 @@ def _suggest(key: str, options: Iterable[str]) -> str:
 
 
 def _read_yaml(path: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError("", f"{path} is a directory, not a config file")
     if not os.path.isfile(path):
         raise ConfigError("", f"config file not found: {path}")
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         try:
             data = yaml.load(f, Loader=_Loader)
         except yaml.YAMLError as e:
             raise ConfigError("", f"{path} is not valid YAML: {e}") from None
+        except UnicodeDecodeError:  # a checkpoint or other binary file passed as the config
+            raise ConfigError("", f"{path} is not a YAML config (not UTF-8 text)") from None
     if data is None:  # an empty file, or only comments: most likely a truncated or wrong file
         raise ConfigError("", f"{path} is empty (no YAML content, or only comments): a config file must contain "
                               "a mapping of sections; write `{}` for all defaults")

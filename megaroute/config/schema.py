@@ -522,10 +522,11 @@ class Config:
                 size = hf_vocab_size(self.data.tokenizer.path)
             except ValueError:  # a DataError (unreadable): prepare reports it, naming data.tokenizer.path
                 size = None
-            _require(size is None or size <= self.model.vocab_size, "model.vocab_size",
-                     f"{self.model.vocab_size} is smaller than the vocabulary of the tokenizer at "
-                     f"data.tokenizer.path={self.data.tokenizer.path} ({size} ids); set model.vocab_size >= {size} "
-                     f"(e.g. {-(-size // 128) * 128}, a multiple of 128)")
+            if size is not None:
+                _require(size <= self.model.vocab_size, "model.vocab_size",
+                         f"{self.model.vocab_size} is smaller than the vocabulary of the tokenizer at "
+                         f"data.tokenizer.path={self.data.tokenizer.path} ({size} ids); set model.vocab_size >= "
+                         f"{size} (e.g. {-(-size // 128) * 128}, a multiple of 128)")
         if self.routing.method != "none":
             _require(any(self.routing.is_routed(i) for i in range(self.model.n_layers)), "routing.offset",
                      f"no block is routed with every={self.routing.every}, offset={self.routing.offset} "

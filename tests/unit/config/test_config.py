@@ -273,6 +273,25 @@ def test_empty_config_file_rejected_naming_the_file(tmp_path, text):
     assert p in str(e.value) and "is empty" in str(e.value)
 
 
+def test_binary_file_or_directory_as_config_rejected_naming_it(tmp_path):
+    binary = tmp_path / "model_states.pt"
+    binary.write_bytes(b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.")  # a pickle header: not UTF-8
+    with pytest.raises(ConfigError, match="not a YAML config") as e:
+        load_config(str(binary))
+    assert str(binary) in str(e.value)
+    with pytest.raises(ConfigError, match="is a directory, not a config file") as e:
+        load_config(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+
+
+def test_unreadable_hf_tokenizer_is_left_to_prepare(tmp_path):
+    # The vocabulary check reads the tokenizer file when there is one; an unreadable one is prepare's
+    # error to report (naming data.tokenizer.path), not a TypeError while building this message.
+    bogus = write(tmp_path / "tokenizer.txt", "not a tokenizer\n")
+    cfg = load_config(None, ["data.tokenizer.kind=hf", f"data.tokenizer.path={bogus}"])
+    assert cfg.data.tokenizer.path == bogus
+
+
 def test_explicit_empty_mapping_gives_defaults(tmp_path):
     p = write(tmp_path / "defaults.yaml", "{}  # all defaults\n")
     assert load_config(p) == Config().validate()

@@ -1,0 +1,55 @@
+"""Benchmarks that take files check them all before the first expensive step (a training, a conversion,
+a timed model), naming the bad one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megaroute.bench import audit as bench_audit
+from megaroute.bench import convert as bench_convert
+from megaroute.bench import memory as bench_memory
+from megaroute.bench import step as bench_step
+
+
+def _refused(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_convert_checks_both_configs_before_training_the_first(capsys, tmp_path):
+    err = _refused(capsys, bench_convert.main, ["--mod", str(tmp_path / "missing.yaml"), "--workdir", str(tmp_path)])
+    assert "--mod: config file not found" in err and "missing.yaml" in err
+    assert not (tmp_path / "char").exists()  # nothing prepared, nothing trained
+
+
+def test_audit_checks_every_config_before_timing_the_first(capsys, tmp_path):
+    good = Path(__file__).resolve().parents[3] / "configs" / "tiny_mod.yaml"
+    err = _refused(capsys, bench_audit.main, ["--configs", f"{good},{tmp_path}/missing.yaml"])
+    assert "--configs: config file not found" in err
+
+
+@pytest.mark.parametrize("content", [None, "{", '[{"case": "tiny dense z1"}]'], ids=["missing", "not-json", "no-ranks"])
+def test_memory_reestimate_names_a_bad_results_file(capsys, tmp_path, content):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    err = _refused(capsys, bench_memory.main, ["--reestimate", str(path)])
+    assert f"--reestimate {path}: not a results file written by --json" in err
+
+
+def test_memory_json_destination_checked_before_the_runs(capsys, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("kept\n")
+    for dest in (blocker / "out.json", tmp_path):
+        assert "not a file in an existing directory" in _refused(capsys, bench_memory.main, ["--json", str(dest)])
+    assert blocker.read_text() == "kept\n"
+
+
+def test_step_names_a_bad_config(capsys, tmp_path):
+    (tmp_path / "broken.yaml").write_text("model: [unclosed\n")
+    assert "is not valid YAML" in _refused(capsys, bench_step.main, ["--config", str(tmp_path / "broken.yaml")])
+    assert "is a directory, not a config file" in _refused(capsys, bench_step.main, ["--config", str(tmp_path)])
