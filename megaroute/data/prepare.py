@@ -63,6 +63,7 @@ _GIVEN_KINDS = ("file", "hf")
 
 def prepare(cfg: DataConfig, progress: bool = True) -> dict:
     """Tokenize `cfg.source` into packed shards under `cfg.output_dir`; returns the index."""
+    check_output_dir(cfg)  # a DataError naming the key, rather than an OSError from makedirs
     out = cfg.output_dir
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
@@ -95,16 +96,30 @@ def preflight(cfg: DataConfig, model_vocab_size: Optional[int] = None) -> None:
     if given is not None and model_vocab_size is not None and given.vocab_size > model_vocab_size:
         raise DataError(f"data.tokenizer.path: the tokenizer at {cfg.tokenizer.path} has {given.vocab_size} ids, "
                         f"more than model.vocab_size={model_vocab_size}; set model.vocab_size >= {given.vocab_size}")
-    out = os.path.abspath(cfg.output_dir)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"data.output_dir: {cfg.output_dir} exists and is not a directory")
-    existing = out
-    while not os.path.exists(existing):
+    check_output_dir(cfg)
+
+
+def check_output_dir(cfg: DataConfig) -> None:
+    """`output_dir` is (or can be created as) a writable directory. Raises DataError; writes nothing."""
+    problem = dir_problem(cfg.output_dir)
+    if problem:
+        raise DataError(f"data.output_dir: {problem}")
+
+
+def dir_problem(path: str, writable: bool = True) -> Optional[str]:
+    """Why `path` cannot be used, or created with makedirs, as a (`writable`) directory (naming `path` as
+    given and the component at fault); None when it can. Looks only: creates nothing."""
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        return f"{path} exists and is not a directory"
+    existing = full
+    while not os.path.lexists(existing):  # lexists: a dangling link blocks makedirs too
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise DataError(f"data.output_dir: cannot create {cfg.output_dir}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"data.output_dir: cannot write {cfg.output_dir}: {existing} is not writable")
+        return f"cannot create {path}: {existing} is not a directory"
+    if (writable or existing != full) and not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write {path}: {existing} is not writable"
+    return None
 
 
 def assign_splits(num_chunks: int, val_fraction: float, seed: int) -> list[str]:

@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -253,11 +254,25 @@ def init_from_file(path: str) -> str:
     except CheckpointError as e:
         problem = str(e)
     else:
-        if os.path.isfile(found):
+        problem = _weights_problem(found) if os.path.isfile(found) else f"{found} does not exist"
+        if problem is None:
             return found
-        problem = f"{found} does not exist"
     raise ConfigError("checkpoint.init_from", f"no model weights at {path!r}: {problem} (expected a model-states "
                                               ".pt file, a checkpoint directory, or a run directory with checkpoints)")
+
+
+def _weights_problem(path: str) -> Optional[str]:
+    """Why `path` is not a state-dict file `load_init_weights` can read; None when it is one. Cheap, so
+    that a wrong file fails before the process group: a zip-format file (any torch.save since 1.6) is
+    memory-mapped, which reads its pickle but no tensor data; the legacy format cannot be mapped."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # noqa: BLE001 - a text file gives KeyError, a foreign pickle UnpicklingError...
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{path} is not a PyTorch checkpoint file: torch.load fails ({type(e).__name__}: {first})"
+    if not isinstance(state, dict):
+        return f"{path} holds a {type(state).__name__}, not a state dict"
+    return None
 
 
 def load_init_weights(model: torch.nn.Module, path: str, controller_only: bool = False) -> None:

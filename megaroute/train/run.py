@@ -24,7 +24,7 @@ from .. import metric_names as names
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
 from ..data import INDEX_FILE, DataError
 from ..data.loader import PackedDataset, SequenceLoader
-from ..data.prepare import preflight, prepare
+from ..data.prepare import dir_problem, preflight, prepare
 from ..data.tokenizers import load_tokenizer
 from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
 from ..memory import MemoryFitError, local_ranks
@@ -116,11 +116,30 @@ def check_resume_tag(cfg: Config) -> None:
     the manifest and checksums are verified after the process group starts."""
     if cfg.checkpoint.resume in ("auto", "none"):
         return
+    resume = cfg.checkpoint.resume
+    tag = resume_tag(resume)
     try:
-        resolve_checkpoint(os.path.join(cfg.run_dir, cfg.checkpoint.dir), tag=resume_tag(cfg.checkpoint.resume))
+        resolve_checkpoint(os.path.join(cfg.run_dir, cfg.checkpoint.dir), tag=tag)
     except CheckpointError as e:
-        raise ConfigError("checkpoint.resume", f"{e}; use a tag listed there, 'auto' (the latest intact one) or "
-                                               "'none' (start fresh)") from None
+        # A path is cut to its last component: say so, or the message names a tag the user never wrote.
+        given = "" if resume == tag else (f"{resume!r} names checkpoint {tag!r} (a path's last component, looked "
+                                          "up under the run's checkpoint.dir): ")
+        raise ConfigError("checkpoint.resume", f"{given}{e}; use a tag listed there, 'auto' (the latest intact one) "
+                                               "or 'none' (start fresh)") from None
+
+
+def check_run_paths(cfg: Config) -> None:
+    """The run directory and its checkpoint directory are (or rank 0 can create them as) writable
+    directories: a file in the way would otherwise surface after the process group, or at the first
+    checkpoint save, after hours of training. Looks only; rank 0 creates them in `_start` and at saves.
+    Raises ConfigError (exit 2)."""
+    # runs_dir itself need not be writable when the run directory in it already is (a shared runs_dir).
+    paths = (("runs_dir", cfg.runs_dir, "runs directory", False), ("name", cfg.run_dir, "run directory", True),
+             ("checkpoint.dir", os.path.join(cfg.run_dir, cfg.checkpoint.dir), "checkpoint directory", True))
+    for key, path, what, writable in paths:
+        problem = dir_problem(path, writable)
+        if problem:
+            raise ConfigError(key, f"{what}: {problem}")
 
 
 def pretrain(cfg: Config, env: DistEnv) -> int:
@@ -184,6 +203,7 @@ def _check(cfg: Config, env: DistEnv):
     """The checks that need no process group -> (layout, DeepSpeed config, init_from weights file)."""
     layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
     ds_config = ds.deepspeed_config(cfg, layout.dp)
+    check_run_paths(cfg)
     check_data(cfg)
     check_resume_tag(cfg)
     init_path = init_from_file(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
