@@ -12,14 +12,15 @@ Dense models (routing.method none) are written by default as a native `LlamaForC
 without trust_remote_code or megaroute; see llama.py). `--format megaroute` forces the remote-code
 export for them too; `--format llama` refuses routed models.
 
-Order of work: every check (output exists, tag, shards, config, tokenizer; the files' sha256 against
-the manifest and the checkpoint's config_hash, unless --skip-verify: IntegrityError, exit code 2)
-runs before any weight is read and before anything is written. Weights stream one tensor at a time (TP shards merged, ZeRO-3
-partitions reassembled, an expert-parallel run's per-expert files stacked into each MoE layer's [E, ...]
-tensors) into output shards of at most `max_shard_bytes`, so peak memory is about
-the memory-mapped input plus one output shard. Everything is written into a temporary directory
-next to the output and renamed into place at the end: an interrupted conversion leaves no
-half-written model, and --force replaces an existing one only once the new one is complete.
+Order of work: every check (output path, which may not overlap the run it reads; tag, shards, config,
+tokenizer; the files' sha256 against the manifest and the checkpoint's config_hash, unless --skip-verify:
+IntegrityError, exit code 2) runs before any weight is read and before anything is written. Weights
+stream one tensor at a time (TP shards merged, ZeRO-3 partitions reassembled, an expert-parallel run's
+per-expert files stacked into each MoE layer's [E, ...] tensors) into output shards of at most
+`max_shard_bytes`, so peak memory is about the memory-mapped input plus one output shard. Everything
+is written into a temporary directory next to the output and renamed into place at the end: an
+interrupted conversion leaves no half-written model, and --force replaces an existing one only once
+the new one is complete.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -65,6 +67,44 @@ def _plan_shards(adapter: StateDictAdapter, dtype: Optional[torch.dtype], max_by
         shards[-1].append(key)
         size += n
     return shards
+
+
+def _within(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _check_output(out: str, force: bool) -> None:
+    """The output is a directory or does not exist yet, and a directory can be made where it goes:
+    checked first, so a bad path fails at once, naming itself, not after the conversion."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ConversionError(f"{out} exists and is not a directory: the output must be a directory (or not exist)")
+    if os.path.exists(out) and not force:
+        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    base = os.path.dirname(out)
+    while not os.path.lexists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise ConversionError(f"cannot create {out}: {base} is not a directory")
+    try:  # a real attempt, not os.access: root passes that everywhere, /proc included
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.probe-", dir=base))
+    except OSError as e:
+        raise ConversionError(f"cannot create {out}: no directory can be made in {base} ({e.strerror})") from None
+
+
+def _check_not_source(out: str, src: CheckpointSource, tokenizer: str) -> None:
+    """--force deletes the old output whole, so it must not hold anything the conversion reads, and the
+    output must not land inside the checkpoint (its manifest lists what belongs there). Elsewhere in the
+    run (runs/x/hf) is fine. Real paths: a symlink does not hide either."""
+    real = os.path.realpath(out)
+    reads = {"checkpoint": src.tag_dir, "run directory": src.run_dir, "config": src.config_path,
+             "tokenizer": tokenizer}
+    for what, path in reads.items():
+        if path and _within(os.path.realpath(path), real):
+            raise ConversionError(f"output {out} is or contains the {what} {path} being converted (--force would "
+                                  "delete it): choose another output directory")
+    if _within(real, os.path.realpath(src.tag_dir)):
+        raise ConversionError(f"output {out} is inside the checkpoint {src.tag_dir} being converted: choose an "
+                              "output directory outside it")
 
 
 def _tokenizer(src: CheckpointSource, path: Optional[str]):
@@ -151,8 +191,7 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
     Integrity (IntegrityError, before anything is written): every file's sha256 against the manifest and
     the checkpoint's config_hash against the config; skip_verify skips both (with a warning on stderr)."""
     out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    _check_output(out, force)
     if routing_mode not in ROUTING_MODES:
         raise ConversionError(f"--routing-mode must be one of {ROUTING_MODES}, got {routing_mode!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -160,6 +199,7 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
     if format not in FORMATS:
         raise ConversionError(f"--format must be one of {FORMATS}, got {format!r}")
     src = locate(path, tag, config)
+    _check_not_source(out, src, tokenizer or src.config.data.output_dir)
     dense = src.config.routing.method == "none"
     if format == "llama" and not dense:
         raise ConversionError(f"--format llama needs a dense model (routing.method none); {src.tag_dir} uses "

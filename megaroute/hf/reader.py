@@ -59,6 +59,7 @@ class CheckpointSource:
     zero3: bool
     files: list[str] = field(default_factory=list)  # the DeepSpeed files that hold weights
     config_path: Optional[str] = None  # the config.yaml `config` was loaded from
+    run_dir: Optional[str] = None  # the run directory above the checkpoint (holds its config.yaml), if any
 
     @property
     def tag(self) -> str:
@@ -71,25 +72,33 @@ def _check_manifest(tag_dir: str) -> None:
     if not os.path.isfile(path):
         raise IntegrityError(f"{tag_dir}: no {MANIFEST}: the checkpoint was never committed (still being written, "
                               "or its job died while saving)")
-    with open(path) as f:
-        files = json.load(f).get("files", {})
-    for rel, meta in files.items():
+    try:
+        with open(path) as f:
+            sizes = {rel: int(meta["size"]) for rel, meta in json.load(f).get("files", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # half-written or hand-edited
+        raise IntegrityError(f"{path}: unreadable manifest ({type(e).__name__}: {e})") from None
+    for rel, size in sizes.items():
         full = os.path.join(tag_dir, rel)
         if not os.path.isfile(full):
             raise IntegrityError(f"{full}: missing (listed in {MANIFEST})")
-        if os.path.getsize(full) != int(meta["size"]):
-            raise IntegrityError(f"{full}: size {os.path.getsize(full)} != {meta['size']} in {MANIFEST} (truncated?)")
+        if os.path.getsize(full) != size:
+            raise IntegrityError(f"{full}: size {os.path.getsize(full)} != {size} in {MANIFEST} (truncated?)")
 
 
 def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = None) -> CheckpointSource:
     """Resolves `path` (run dir, checkpoints dir, tag dir or model-states file; `tag` picks one; see
     `resolve_checkpoint`) and checks its shards."""
+    # Any other file would stand for its directory, and be reported as an uncommitted checkpoint.
+    if os.path.isfile(path) and not path.endswith("_model_states.pt"):
+        raise ConversionError(f"{path} is not a checkpoint directory (nor a DeepSpeed *_model_states.pt file in one): "
+                              "pass a run directory, its checkpoints/ directory or a checkpoint tag directory")
     try:
         where = resolve_checkpoint(path, tag)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     tag_dir = where.tag_dir
-    config_path = config_path or where.config
+    run_config = where.config
+    config_path = config_path or run_config
     if config_path is None:
         raise ConversionError(f"{tag_dir}: no config.yaml in the run directory above it (not a megaroute run?); "
                               "pass --config")
@@ -125,7 +134,8 @@ def locate(path: str, tag: Optional[str] = None, config_path: Optional[str] = No
     if extra:
         raise ConversionError(f"{tag_dir}: shards for model-parallel ranks {sorted(extra)} but the run's config has "
                               f"parallel.tp={tp} (mismatched config.yaml?)")
-    return CheckpointSource(tag_dir, cfg, tp, bool(zero3), files, config_path)
+    return CheckpointSource(tag_dir, cfg, tp, bool(zero3), files, config_path,
+                            os.path.dirname(run_config) if run_config else None)
 
 
 def verify_checksums(src: CheckpointSource) -> None:
