@@ -9,10 +9,12 @@ import time
 import torch
 
 from ..argtypes import positive_int
-from ..config import ConfigError
+from ..config import ConfigError, load_config
+from ..sweep.mlflow_runs import require_store
+from ..sweep.outputs import check_out_dir
 from ..train.tracking import config_uri
-from .report import (audit_model, batches_for, find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report,
-                     write_report)
+from .report import (audit_model, batches_for, check_data, find_config, is_hf_dir, load_run_model, log_to_mlflow,
+                     seed_report, write_report)
 
 
 def add_parser(sub) -> None:
@@ -43,20 +45,29 @@ def run(args) -> int:
         raise ConfigError("", "a Hugging Face directory carries no data config: pass --data-dir <prepared data dir>")
     if hf and (args.experiment or args.run_id) and not args.mlflow_uri:
         raise ConfigError("", "with a Hugging Face directory, --experiment and --run-id need --mlflow-uri")
+    # Checks of the output, the data and the tracking store come before the model loads; a run's config
+    # alone names its data and store (a Hugging Face directory has neither: the options name them).
+    config = None if hf else find_config(args.checkpoint)
+    run_cfg = None if hf else load_config(config)
+    run_dir = args.checkpoint if hf else os.path.dirname(config)
+    out = args.out or os.path.join(run_dir, "audit")
+    check_out_dir(out, "--out" if args.out else "report directory")
+    check_data(args.data_dir or run_cfg.data.output_dir, args.data,
+               "--data-dir" if args.data_dir else "the run's data.output_dir")
+    uri = args.mlflow_uri or (config_uri(run_cfg) if run_cfg else None)
+    if args.experiment or args.run_id:
+        require_store(uri)
     start = time.perf_counter()
     torch.manual_seed(args.seed)
     model, cfg = load_run_model(args.checkpoint)
-    uri = args.mlflow_uri or config_uri(cfg)
     # Before the model passes, so a refusal to pool the experiment's runs comes in seconds.
     seeds = seed_report(uri, args.experiment) if args.experiment else None
     reference = load_run_model(args.reference)[0] if args.reference else None
     batches, tokenizer = batches_for(cfg, args.data, args.tokens, args.batch_size, args.data_dir)
     result = audit_model(model, cfg, batches, reference=reference, bins=args.bins, seed=args.seed)
-    run_dir = args.checkpoint if hf else os.path.dirname(find_config(args.checkpoint))
     if seeds is not None:
         result["seeds"] = seeds
     result["seconds"] = time.perf_counter() - start
-    out = args.out or os.path.join(run_dir, "audit")
     paths = write_report(result, out, decode=tokenizer.decode)
     if args.run_id:
         log_to_mlflow(uri, args.run_id, paths)

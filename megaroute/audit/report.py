@@ -26,6 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from .. import metric_names
 from ..config import Config, ConfigError, RoutingConfig
+from ..data import DataError
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.tokenizers import load_tokenizer
 from ..hf.llama import megaroute_state_dict, model_config_from_llama
@@ -610,12 +611,32 @@ def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:
         client.log_artifact(run_id, path, "audit")
 
 
+def check_data(data_dir: str, split: str, what: str = "--data-dir") -> None:
+    """Cheap check, before a model loads, that `data_dir` holds a prepared `split` with at least one
+    sample: index, shard sizes, tokenizer (no shard is read where the index records its id range).
+    The model's seq_len and vocabulary are checked by `batches_for`. ConfigError naming `what` and the
+    file otherwise."""
+    if not os.path.isdir(data_dir):
+        problem = "is not a directory" if os.path.exists(data_dir) else "does not exist"
+        raise ConfigError("", f"{what} {data_dir}: {problem} (it names a prepared data directory: "
+                              "megaroute data prepare)")
+    try:
+        PackedDataset(data_dir, split, seq_len=1)
+        load_tokenizer(data_dir)
+    except DataError as e:
+        raise ConfigError("", f"{what} {data_dir}: {e}") from None
+
+
 def batches_for(cfg: Config, split: str, tokens: int, batch_size: int, data_dir: Optional[str] = None):
-    """Deterministic evaluation batches covering about `tokens` tokens of a prepared split."""
+    """Deterministic evaluation batches covering about `tokens` tokens of a prepared split. Data that does
+    not fit the model (seq_len, vocabulary, tokenizer) raises ConfigError naming the file."""
     out_dir = data_dir or cfg.data.output_dir
-    tokenizer = load_tokenizer(out_dir)
-    dataset = PackedDataset(out_dir, split, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
-                            tokenizer_hash=tokenizer.hash)
+    try:
+        tokenizer = load_tokenizer(out_dir)
+        dataset = PackedDataset(out_dir, split, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                                tokenizer_hash=tokenizer.hash)
+    except DataError as e:
+        raise ConfigError("", str(e)) from None
     loader = iter(SequenceLoader(dataset, batch_size, batch_size, 0, 1, seed=0))
     n = max(1, -(-tokens // (batch_size * cfg.data.seq_len)))
     return [next(loader) for _ in range(n)], tokenizer

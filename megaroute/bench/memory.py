@@ -42,6 +42,7 @@ from megaroute.argtypes import positive_int
 from megaroute.config import load_config
 from megaroute.data.prepare import prepare
 from megaroute.memory import estimate_for_config
+from megaroute.paths import dir_problem
 from megaroute.train.run import main as pretrain_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--reestimate {args.reestimate}: not a results file written by --json ({type(e).__name__}: {e})")
         print(table(rows, torch.cuda.is_available()))
         return 0
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(args.json) or ".")):
-        p.error(f"--json {args.json}: not a file in an existing directory")  # found now, not after the runs
+    if args.json:  # found now, not after the runs
+        problem = "is a directory" if os.path.isdir(args.json) else dir_problem(os.path.dirname(args.json) or ".")
+        if problem:
+            p.error(f"--json {args.json}: {problem}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     todo = [c for c in cases(args.quick, not args.no_157m) if not args.only or args.only in c.name]
     results = []

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..config.schema import DataConfig
+from ..paths import dir_problem
 from . import INDEX_FILE, INDEX_VERSION, DataError
 from .ingest import Chunk, Corpus, check_source, open_corpus
 from .tokenizers import (CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_from_bytes,
@@ -104,22 +105,6 @@ def check_output_dir(cfg: DataConfig) -> None:
     problem = dir_problem(cfg.output_dir)
     if problem:
         raise DataError(f"data.output_dir: {problem}")
-
-
-def dir_problem(path: str, writable: bool = True) -> Optional[str]:
-    """Why `path` cannot be used, or created with makedirs, as a (`writable`) directory (naming `path` as
-    given and the component at fault); None when it can. Looks only: creates nothing."""
-    full = os.path.abspath(path)
-    if os.path.lexists(full) and not os.path.isdir(full):
-        return f"{path} exists and is not a directory"
-    existing = full
-    while not os.path.lexists(existing):  # lexists: a dangling link blocks makedirs too
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"cannot create {path}: {existing} is not a directory"
-    if (writable or existing != full) and not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot write {path}: {existing} is not writable"
-    return None
 
 
 def assign_splits(num_chunks: int, val_fraction: float, seed: int) -> list[str]:

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from typing import Optional
 
@@ -41,6 +40,7 @@ from tqdm import tqdm
 from ..argtypes import positive_float
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
+from ..paths import dir_problem
 from .adapter import StateDictAdapter
 from .bundle import BundleError, bundle_sources
 from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
@@ -74,21 +74,16 @@ def _within(path: str, root: str) -> bool:
 
 
 def _check_output(out: str, force: bool) -> None:
-    """The output is a directory or does not exist yet, and a directory can be made where it goes:
-    checked first, so a bad path fails at once, naming itself, not after the conversion."""
+    """The output is a directory or does not exist yet, and its parent takes new entries (the model is
+    written into a temporary directory beside it): checked first, so a bad path fails at once, naming
+    itself, not after the conversion."""
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ConversionError(f"{out} exists and is not a directory: the output must be a directory (or not exist)")
     if os.path.exists(out) and not force:
         raise ConversionError(f"{out} already exists; pass --force to replace it")
-    base = os.path.dirname(out)
-    while not os.path.lexists(base):
-        base = os.path.dirname(base)
-    if not os.path.isdir(base):
-        raise ConversionError(f"cannot create {out}: {base} is not a directory")
-    try:  # a real attempt, not os.access: root passes that everywhere, /proc included
-        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.probe-", dir=base))
-    except OSError as e:
-        raise ConversionError(f"cannot create {out}: no directory can be made in {base} ({e.strerror})") from None
+    problem = dir_problem(os.path.dirname(out))
+    if problem:
+        raise ConversionError(f"cannot write {out}: {problem}")
 
 
 def _check_not_source(out: str, src: CheckpointSource, tokenizer: str) -> None:

@@ -19,8 +19,10 @@ import os
 import numpy as np
 
 from .. import metric_names as names
+from ..config import ConfigError
 from ..train.tracking import default_uri
 from .mlflow_runs import find_runs, metric_history
+from .outputs import check_out_dir
 
 
 def add_parser(sub) -> None:
@@ -32,11 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--x", choices=("flops", "step"), default="flops",
                    help="x axis: training FLOPs (train/flops_seen; default) or optimizer step")
-    p.add_argument("--out", default="compare.png")
+    p.add_argument("--out", default="compare.png", help="image file; its format from the suffix (none: .png); "
+                   "missing directories are created")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    out = out_file(args.out)  # before reading MLflow: a bad --out is refused first
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri("runs")
     metrics = args.metric or ["train/loss", names.LOSS]
     runs = find_runs(uri, args.experiment, args.runs)
@@ -50,11 +54,12 @@ def run(args) -> int:
             raise LookupError(f"no {FLOPS} history in {', '.join(lacking)}: cannot place them on a FLOPs axis; "
                               "use --x step")
         plotted = {(run_id, key): steps_to_flops(pts, flops[run_id]) for (run_id, key), pts in curves.items()}
-    plot(args.out, runs, metrics, plotted, xlabel=XLABEL[x])
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    plot(out, runs, metrics, plotted, xlabel=XLABEL[x])
     for run_id, name in runs:
         finals = "  ".join(f"{k}={curves[run_id, k][-1][1]:.4f}" for k in metrics if curves[run_id, k])
         print(f"{name} ({run_id}): {finals or 'no values for ' + ', '.join(metrics)}")
-    print(args.out)
+    print(out)
     return 0
 
 
@@ -93,3 +98,22 @@ def plot(path: str, runs: list[tuple[str, str]], metrics: list[str], curves: dic
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)
+
+
+def out_file(path: str) -> str:
+    """The file `compare` writes for --out `path`: an image format matplotlib writes, chosen by the suffix
+    (none: .png appended, as matplotlib would), not a directory, in a directory that is or can be created.
+    ConfigError naming --out otherwise."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    written = path if suffix else path.rstrip(".") + ".png"
+    if path.endswith(os.sep) or os.path.isdir(path) or os.path.isdir(written):
+        raise ConfigError("", f"--out {path}: names a directory; name the image file to write, "
+                          f"e.g. {os.path.join(path, 'compare.png')}")
+    if suffix and suffix not in formats:
+        raise ConfigError("", f"--out {path}: cannot write .{suffix} images; use one of "
+                          + ", ".join(f".{s}" for s in sorted(formats)))
+    check_out_dir(os.path.dirname(os.path.abspath(written)), f"--out {path}: directory")
+    return written

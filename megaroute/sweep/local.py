@@ -56,6 +56,7 @@ from ..train.signals import EXIT_REQUEUE, StopSignal
 from ..train.tracking import config_uri, default_uri
 from . import report
 from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run
+from .outputs import check_out_dir
 from .plan import TAG_ROLE, TAG_SWEEP, Point, plan
 from .spec import SweepSpec, SweepSpecError
 
@@ -303,6 +304,8 @@ def run_local(spec: SweepSpec, overrides: tuple[str, ...], parallel: int, params
         raise SweepSpecError(spec.path, "--parallel", f"must be >= 1, got {parallel}")
     t0 = time.monotonic()
     overrides, uri, experiment, runs_dir = tracking_overrides(spec, tuple(overrides))
+    # The analysis writes here after the points: a bad directory must fail now, not after the training.
+    out = check_out_dir(out_dir or os.path.join(runs_dir, "analysis"), "analysis directory")
     lock = _lock(spec, runs_dir)  # noqa: F841 - held until the process exits
     parent = open_local_parent(uri, experiment, spec.name, runs_dir, params)
     points = plan(spec, overrides, parent)
@@ -329,7 +332,6 @@ def run_local(spec: SweepSpec, overrides: tuple[str, ...], parallel: int, params
               flush=True)
         return 128 + stop.received
 
-    out = out_dir or os.path.abspath(os.path.join(runs_dir, "analysis"))
     try:  # ends the parent run: FINISHED (point counts in its tags), FAILED if the analysis fails
         result = report.analyze_sweep(uri, experiment, spec.name, out, metric, finish=True)
         analysis_ok = True

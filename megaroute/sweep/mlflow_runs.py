@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import metric_names as names
+from ..config import ConfigError
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
 
 ROLE_ANALYSIS = "analysis"
@@ -31,6 +32,40 @@ def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def require_store(uri: str) -> str:
+    """For commands that only read a store (compare, audit, sweep analyze): a sqlite:/// URI must name an
+    existing SQLite file. MLflow would create a missing one (and its directory) and then report the
+    experiment missing, or fail deep in SQLAlchemy on a directory or a text file. Raises ConfigError
+    naming the path; other URIs pass unchecked. Stores that training or `sweep run` may create are
+    opened through `_client` directly."""
+    if not uri.startswith("sqlite:///"):
+        return uri
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    if not path or path == ":memory:":
+        return uri
+    if not os.path.exists(path):
+        problem = "does not exist"
+    elif os.path.isdir(path):
+        problem = "is a directory, not an SQLite database"
+    else:
+        try:
+            with open(path, "rb") as f:
+                problem = None if f.read(len(SQLITE_HEADER)) == SQLITE_HEADER else "is not an SQLite database"
+        except OSError as e:
+            problem = f"cannot be read ({e.strerror})"
+    if problem:
+        raise ConfigError("", f"MLflow tracking store {path} (tracking URI {uri}) {problem}")
+    return uri
+
+
+def _reader(uri: str):
+    """A client for a store that must already exist (`require_store`)."""
+    return _client(require_store(uri))
 
 
 def require_server_uri(uri: Optional[str], spec_path: str) -> str:
@@ -160,7 +195,7 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
                metrics: tuple[str, ...] = HONEST_LOSS) -> tuple[Optional[str], list[RunResult]]:
     """(parent run id, point runs) of one sweep. Each run's loss is the last logged value of the first
     of `metrics` it has."""
-    client = _client(uri)
+    client = _reader(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
@@ -189,12 +224,12 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
 
 
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
+    return sorted((m.step, m.value) for m in _reader(uri).get_metric_history(run_id, key))
 
 
 def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> list[tuple[str, str]]:
     """(run id, run name) for each requested run name or id, in the order given."""
-    client = _client(uri)
+    client = _reader(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")

@@ -19,6 +19,7 @@ from .. import metric_names as names
 from .design import best_lr_points
 from .mlflow_runs import (HONEST_LOSS, TOPK_LOSS, RunResult, end_run, finish_parent, log_artifacts, set_tags,
                           start_analysis_run, sweep_runs)
+from .outputs import check_out_dir
 
 METRICS = {"eval": HONEST_LOSS, "topk": TOPK_LOSS}
 DENSE_ROUTING = "none"  # the "routing" tag of a dense run
@@ -106,6 +107,7 @@ def analyze_sweep(uri: str, experiment: str, sweep: str, out_dir: str, metric: s
     the parent. `finish`: then end the parent run (FINISHED; FAILED when the analysis fails). `select`:
     keeps one run per (variant, size, budget, seed), as design.best_lr_points (the default) does."""
     keys = METRICS[metric]
+    check_out_dir(out_dir, "analysis directory")  # before the child run opens: a bad one would leave it FAILED
     stamp = _stamp(now)
     parent, runs = sweep_runs(uri, experiment, sweep, keys)
     run_id = start_analysis_run(uri, experiment, sweep, parent, metric, keys, stamp)

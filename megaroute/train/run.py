@@ -24,10 +24,11 @@ from .. import metric_names as names
 from ..config import Config, ConfigError, config_hash, flatten, load_config, save_config
 from ..data import INDEX_FILE, DataError
 from ..data.loader import PackedDataset, SequenceLoader
-from ..data.prepare import dir_problem, preflight, prepare
+from ..data.prepare import preflight, prepare
 from ..data.tokenizers import load_tokenizer
 from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
 from ..memory import MemoryFitError, local_ranks
+from ..paths import dir_problem
 from ..memory import preflight as memory_preflight
 from ..model import build_model
 from ..model.routing import freeze_base, is_controller_param, method_spec

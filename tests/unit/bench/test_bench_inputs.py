@@ -44,8 +44,8 @@ def test_memory_reestimate_names_a_bad_results_file(capsys, tmp_path, content):
 def test_memory_json_destination_checked_before_the_runs(capsys, tmp_path):
     blocker = tmp_path / "file.txt"
     blocker.write_text("kept\n")
-    for dest in (blocker / "out.json", tmp_path):
-        assert "not a file in an existing directory" in _refused(capsys, bench_memory.main, ["--json", str(dest)])
+    for dest, why in ((blocker / "out.json", f"{blocker} exists and is not a directory"), (tmp_path, "is a directory")):
+        assert f"--json {dest}: {why}" in _refused(capsys, bench_memory.main, ["--json", str(dest)])
     assert blocker.read_text() == "kept\n"
 
 
