@@ -23,9 +23,10 @@ from ..argtypes import non_negative_int, positive_int
 from ..config import load_config
 from ..train.tracking import config_uri
 from . import local, report
+from .mlflow_runs import open_parent_run, require_server_uri
+from .outputs import check_out_dir
 from .plan import format_table, plan, pretrain_command
 from .spec import load_spec
-from .mlflow_runs import open_parent_run, require_server_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,6 +128,7 @@ def run_submit(args) -> int:
     spec, points = _load(args)
     uri, experiment, out_dir = _tracking(points)
     require_server_uri(uri, spec.path)
+    check_out_dir(out_dir, "analysis directory")  # the analysis job's log goes there: before any submission
     parent = open_parent_run(uri, experiment, spec.name, _parent_params(spec, points, args.overrides))
     array_id = _sbatch(_array_command(spec, len(points), args.overrides, args.max_parallel, parent))
     os.makedirs(out_dir, exist_ok=True)

@@ -187,3 +187,9 @@ def test_compare_refuses_a_tracking_uri_that_is_no_store(tmp_path, text, capsys)
                      str(tmp_path / "c.png")]) == 2
         assert f"MLflow tracking store {uri[len('sqlite:///'):]} (tracking URI {uri}) {shown}" in _error(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"] and text.read_text() == "keep me\n"
+
+
+def test_submit_refuses_a_bad_analysis_directory_before_opening_the_parent_run(tmp_path, text, capsys):
+    # Port 1: nothing listens, so reaching MLflow (the parent run) or sbatch would fail differently.
+    assert main(["sweep", "submit", TINY_SWEEP, f"runs_dir={text}", "tracking.uri=http://127.0.0.1:1"]) == 2
+    assert f"analysis directory: cannot create {text}/analysis: {text} is not a directory" in _error(capsys)
