@@ -34,6 +34,11 @@ from ..hashing import sha256_file
 _SUPPORTED_DTYPES = ("uint16", "uint32")
 
 
+def _mapped(path: str, dtype: np.dtype, n: int) -> np.ndarray:
+    """The shard's n tokens, memory-mapped (an empty shard: an empty array; mmap refuses empty files)."""
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,)).view(np.ndarray) if n else np.empty(0, dtype)
+
+
 class PackedDataset:
     """One split of a prepared directory, validated against its index.
 
@@ -99,9 +104,8 @@ class PackedDataset:
             self._check_shard(path, shard, verify)
             self.files.append(path)
             self._starts.append(total)
-            # A plain ndarray view of the memmap: slicing it skips np.memmap's per-slice bookkeeping.
-            mm = np.memmap(path, dtype=self.dtype, mode="r", shape=(shard["num_tokens"],))
-            self._shards.append(mm.view(np.ndarray))
+            # A plain ndarray view (_mapped): slicing it skips np.memmap's per-slice bookkeeping.
+            self._shards.append(_mapped(path, self.dtype, shard["num_tokens"]))
             self._check_id_range(path, shard, self._shards[-1], vocab_size)
             total += shard["num_tokens"]
         if self.scanned_for_ids:
@@ -155,7 +159,7 @@ class PackedDataset:
         if verify == "full":
             if sha256_file(path) != shard["sha256"]:
                 raise DataError(f"{path}: sha256 checksum differs from {self.index_path} (corrupt shard)")
-            data = np.memmap(path, dtype=self.dtype, mode="r")
+            data = _mapped(path, self.dtype, actual // self.dtype.itemsize)
             top = int(data.max()) if len(data) else -1
             if top >= self.vocab_size:
                 raise DataError(f"{path}: token id {top} >= vocab_size {self.vocab_size} from {self.index_path}")

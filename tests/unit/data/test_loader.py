@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import string
@@ -14,6 +15,7 @@ from megaroute.config import DataConfig, TokenizerConfig
 from megaroute.data import DataError
 from megaroute.data.loader import PackedDataset, SequenceLoader
 from megaroute.data.prepare import prepare
+from megaroute.hashing import sha256_file
 
 SEQ = 32
 
@@ -78,6 +80,20 @@ def test_shard_size_mismatch_names_the_file(tmp_path, prepared):
         f.write(b"\0\0")
     with pytest.raises(DataError, match=rf"{shard}: size is \d+ bytes but .*index.json says"):
         PackedDataset(out, "train", seq_len=SEQ)
+
+
+def test_an_empty_shard_listed_with_zero_tokens_is_read_as_empty(tmp_path, prepared):
+    # mmap refuses empty files: np.memmap raised "cannot mmap an empty file", naming no shard
+    out = copy_prepared(prepared, tmp_path / "d")
+    index = index_of(out)
+    shards = index["splits"]["train"]["shards"]
+    shards.insert(1, {**shards[1], "file": "train-empty.bin", "num_tokens": 0, "sha256": sha256_file(os.devnull)})
+    (tmp_path / "d" / "train-empty.bin").write_bytes(b"")
+    with open(f"{out}/index.json", "w") as f:
+        json.dump(index, f)
+    for verify in ("size", "full"):
+        ds = PackedDataset(out, "train", seq_len=SEQ, verify=verify)
+        assert ds.num_tokens == PackedDataset(prepared, "train", seq_len=SEQ).num_tokens
 
 
 def test_missing_shard_names_the_file(tmp_path, prepared):
