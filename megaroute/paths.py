@@ -1,13 +1,15 @@
 """Where a command will write, checked before its expensive work: a file in the way, or a place where
 nothing can be created, fails at once naming the path, not after a training, a conversion or a sweep.
-Each caller raises its own error type (DataError, ConfigError, ConversionError) with the message;
-this module imports nothing of megaroute's, so the config and data packages can use it."""
+`dir_problem` returns the reason, for callers that raise their own error type (DataError,
+ConversionError); `check_out_dir` raises it as a ConfigError naming a command's option."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from typing import Optional
+
+from .config.schema import ConfigError
 
 
 def dir_problem(path: str, writable: bool = True) -> Optional[str]:
@@ -33,3 +35,10 @@ def dir_problem(path: str, writable: bool = True) -> Optional[str]:
             return f"cannot write {path}: nothing can be created in {existing} ({e.strerror})"
     return None
 
+
+def check_out_dir(path: str, what: str = "--out") -> str:
+    """dir_problem as a ConfigError naming `what` (the CLI prints it, exit 2) -> the absolute path."""
+    problem = dir_problem(path)
+    if problem:
+        raise ConfigError("", f"{what}: {problem}")
+    return os.path.abspath(path)

@@ -10,8 +10,8 @@ import torch
 
 from ..argtypes import positive_int
 from ..config import ConfigError, load_config
+from ..paths import check_out_dir
 from ..sweep.mlflow_runs import require_store
-from ..sweep.outputs import check_out_dir
 from ..train.tracking import config_uri
 from .report import (audit_model, batches_for, check_data, find_config, is_hf_dir, load_run_model, log_to_mlflow,
                      seed_report, write_report)

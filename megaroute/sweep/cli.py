@@ -21,10 +21,10 @@ from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_int
 from ..config import load_config
+from ..paths import check_out_dir
 from ..train.tracking import config_uri
 from . import local, report
 from .mlflow_runs import open_parent_run, require_server_uri
-from .outputs import check_out_dir
 from .plan import format_table, plan, pretrain_command
 from .spec import load_spec
 

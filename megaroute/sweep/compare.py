@@ -20,9 +20,9 @@ import numpy as np
 
 from .. import metric_names as names
 from ..config import ConfigError
+from ..paths import check_out_dir
 from ..train.tracking import default_uri
 from .mlflow_runs import find_runs, metric_history
-from .outputs import check_out_dir
 
 
 def add_parser(sub) -> None:

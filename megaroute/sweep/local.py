@@ -51,12 +51,12 @@ import torch
 from ..config import load_config
 from ..data import INDEX_FILE
 from ..data.prepare import prepare
+from ..paths import check_out_dir
 from ..train.mlflow_writer import create_sqlite_store
 from ..train.signals import EXIT_REQUEUE, StopSignal
 from ..train.tracking import config_uri, default_uri
 from . import report
 from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run
-from .outputs import check_out_dir
 from .plan import TAG_ROLE, TAG_SWEEP, Point, plan
 from .spec import SweepSpec, SweepSpecError
 

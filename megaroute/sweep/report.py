@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 from . import analyze as A
 from .. import metric_names as names
+from ..paths import check_out_dir
 from .design import best_lr_points
 from .mlflow_runs import (HONEST_LOSS, TOPK_LOSS, RunResult, end_run, finish_parent, log_artifacts, set_tags,
                           start_analysis_run, sweep_runs)
-from .outputs import check_out_dir
 
 METRICS = {"eval": HONEST_LOSS, "topk": TOPK_LOSS}
 DENSE_ROUTING = "none"  # the "routing" tag of a dense run

@@ -14,7 +14,7 @@ from megaroute.config import ConfigError, DataConfig, TokenizerConfig
 from megaroute.data.prepare import prepare
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.sweep import report
-from megaroute.sweep.outputs import check_out_dir
+from megaroute.paths import check_out_dir
 
 from .fake_mlflow import store, sweep
 
