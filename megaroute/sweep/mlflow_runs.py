@@ -19,6 +19,7 @@ from typing import Optional
 
 from .. import metric_names as names
 from ..config import ConfigError
+from ..train.mlflow_writer import sqlite_file
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
 
 ROLE_ANALYSIS = "analysis"
@@ -43,10 +44,8 @@ def require_store(uri: str) -> str:
     experiment missing, or fail deep in SQLAlchemy on a directory or a text file. Raises ConfigError
     naming the path; other URIs pass unchecked. Stores that training or `sweep run` may create are
     opened through `_client` directly."""
-    if not uri.startswith("sqlite:///"):
-        return uri
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
-    if not path or path == ":memory:":
+    path = sqlite_file(uri)
+    if path is None:
         return uri
     if not os.path.exists(path):
         problem = "does not exist"
@@ -224,7 +223,8 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
 
 
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in _reader(uri).get_metric_history(run_id, key))
+    """A run's metric history; the run comes from find_runs, which has already checked the store."""
+    return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
 
 
 def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> list[tuple[str, str]]:

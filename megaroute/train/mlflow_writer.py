@@ -78,6 +78,14 @@ def preload_client(uri: str) -> None:
             return
 
 
+def sqlite_file(uri: str) -> Optional[str]:
+    """The database file a sqlite:/// tracking URI names; None for other URIs and in-memory databases."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return path if path and path != ":memory:" else None
+
+
 def create_sqlite_store(uri: str) -> None:
     """Creates a fresh SQLite store under a temporary name and links it into place when complete.
 
@@ -87,10 +95,8 @@ def create_sqlite_store(uri: str) -> None:
     breaks tracking for every later run in that directory. Best effort: any problem here falls
     back to MLflow's own creation.
     """
-    if not uri.startswith("sqlite:///"):
-        return
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
-    if not path or path == ":memory:" or os.path.exists(path):
+    path = sqlite_file(uri)
+    if path is None or os.path.exists(path):
         return
     tmp = f"{path}.init-{os.getpid()}-{threading.get_ident()}"
     try:

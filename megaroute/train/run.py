@@ -28,12 +28,12 @@ from ..data.prepare import preflight, prepare
 from ..data.tokenizers import load_tokenizer
 from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
 from ..memory import MemoryFitError, local_ranks
-from ..paths import dir_problem
 from ..memory import preflight as memory_preflight
 from ..model import build_model
 from ..model.routing import freeze_base, is_controller_param, method_spec
 from ..model.routing.context import eval_modes
 from ..parallel import ParallelLayout, collectives
+from ..paths import dir_problem
 from . import engine as ds
 from .callbacks import (BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
                         SpeedMeter)
@@ -132,7 +132,8 @@ def check_resume_tag(cfg: Config) -> None:
 def check_run_paths(cfg: Config) -> None:
     """The run directory and its checkpoint directory are (or rank 0 can create them as) writable
     directories: a file in the way would otherwise surface after the process group, or at the first
-    checkpoint save, after hours of training. Looks only; rank 0 creates them in `_start` and at saves.
+    checkpoint save, after hours of training. Leaves nothing behind (paths.dir_problem); rank 0 creates
+    them in `_start` and at saves.
     Raises ConfigError (exit 2)."""
     # runs_dir itself need not be writable when the run directory in it already is (a shared runs_dir).
     paths = (("runs_dir", cfg.runs_dir, "runs directory", False), ("name", cfg.run_dir, "run directory", True),
