@@ -51,6 +51,7 @@ from ..kernels import reference
 from ..model import build_model
 from ..model.routing import RoutingContext
 from ..model.routing.moe import MoEFFN, active_params
+from ..paths import dir_problem
 from .launch import REPO, last_records, run_launcher
 
 COMPARED = ["char_dense", "char_mod", "char_moe", "char_mode_staged", "char_mode_integrated"]
@@ -309,11 +310,14 @@ def main(argv=None) -> int:
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     if len(set(seeds)) != len(seeds):
         p.error(f"--seeds must be distinct, got {seeds}")
+    runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "bench_moe_quick" if args.quick
+                                                             else "bench_moe"))
+    problem = dir_problem(runs_dir) if args.only != "step_time" else None
+    if problem:
+        p.error(f"--runs-dir: {problem}")
     torch.set_num_threads(args.threads)
     if args.only != "step_time":
         dense_steps = args.dense_steps or (QUICK_DENSE_STEPS if args.quick else _config(COMPARED[0]).train.max_steps)
-        runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "bench_moe_quick" if args.quick
-                                                                 else "bench_moe"))
         start = time.perf_counter()
         tables = compare(dense_steps, seeds, runs_dir, args.threads, args.jobs, args.reuse)
         text = "\n\n".join(format_compare(hold, rows, seeds) for hold, rows in tables.items())

@@ -46,6 +46,7 @@ from ..flops import training_proxy
 from ..model import ForwardOptions
 from ..model.routing import method_spec
 from ..model.routing.context import eval_modes
+from ..paths import dir_problem
 from ..train.loop import Evaluator
 from .launch import REPO, last_records, run_launcher
 
@@ -337,9 +338,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads of each training and of the in-process "
                    "part (1: on shared cores, two threads per process stalled each other, 370 vs 6,700 tok/s)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     runs_dir = os.path.abspath(args.runs_dir or os.path.join(REPO, "runs", "bench_routing_quick" if args.quick
                                                              else "bench_routing"))
+    problem = dir_problem(runs_dir)
+    if problem:
+        p.error(f"--runs-dir: {problem}")
+    torch.set_num_threads(args.threads)
     os.makedirs(runs_dir, exist_ok=True)
     parts = args.only or list(SUITES)
     scale = QUICK_STEPS_SCALE if args.quick else 1.0

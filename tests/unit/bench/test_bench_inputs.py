@@ -10,6 +10,8 @@ import pytest
 from megaroute.bench import audit as bench_audit
 from megaroute.bench import convert as bench_convert
 from megaroute.bench import memory as bench_memory
+from megaroute.bench import moe as bench_moe
+from megaroute.bench import routing as bench_routing
 from megaroute.bench import step as bench_step
 
 
@@ -53,3 +55,14 @@ def test_step_names_a_bad_config(capsys, tmp_path):
     (tmp_path / "broken.yaml").write_text("model: [unclosed\n")
     assert "is not valid YAML" in _refused(capsys, bench_step.main, ["--config", str(tmp_path / "broken.yaml")])
     assert "is a directory, not a config file" in _refused(capsys, bench_step.main, ["--config", str(tmp_path)])
+
+
+@pytest.mark.parametrize("main", [bench_routing.main, bench_moe.main], ids=["routing", "moe"])
+@pytest.mark.parametrize("under", [False, True], ids=["file", "under-a-file"])
+def test_runs_dir_checked_before_the_first_training(capsys, tmp_path, main, under):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    runs_dir = blocker / "runs" if under else blocker
+    err = _refused(capsys, main, ["--runs-dir", str(runs_dir), "--quick"])
+    assert "--runs-dir" in err and "is not a directory" in err
+    assert blocker.read_text() == "not a directory"
