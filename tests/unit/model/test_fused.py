@@ -111,6 +111,7 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
     their dtypes, and the incoming gradient's scale (a loss scaled by 3); with the CPU kernels' row
     pass (kernels/cpu.py, where built) and with the eager tile loop."""
     monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)  # matmul chunks of 4 rows: 4, 4, 2
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 1)
     monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # softmax tiles of 3 rows: partial ones in each chunk
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors, **options: None)
@@ -310,3 +311,11 @@ def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make
     assert out.logits is None and fused == (case == "plain")
     reference = model(tokens, tokens)  # the returned-logits forward: the same loss either way
     torch.testing.assert_close(out.lm_loss, reference.lm_loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,vocab,rows", [(2048, 8192, 512), (2048, 32768, 512), (100, 32768, 100),
+                                          (65536, 128, 32768), (0, 8192, 1)])
+def test_loss_chunks_hold_enough_rows_for_full_speed_matmuls(n, vocab, rows):
+    """A large vocabulary still gets CE_CHUNK_MIN_ROWS rows a chunk (64 rows at V 32768 ran the head's
+    matmuls 1.6x slower), a small one CE_CHUNK_ELEMENTS logits' worth, never more rows than there are."""
+    assert lm_loss.chunk_rows(n, vocab) == rows
