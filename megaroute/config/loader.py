@@ -128,7 +128,8 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     out = _deep_merge({}, raw)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(item, "override must look like key.path=value")
+            hint = " (a config file goes after --config)" if item.endswith((".yaml", ".yml")) else ""
+            raise ConfigError(item, f"override must look like key.path=value{hint}")
         key, _, value = item.partition("=")
         parts = key.strip().split(".")
         if not all(parts):

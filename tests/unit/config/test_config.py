@@ -150,6 +150,7 @@ def test_section_given_a_list_in_yaml(tmp_path):
     [
         ("model.n_layers", "model.n_layers", "key.path=value"),
         ("just-a-word", "just-a-word", "key.path=value"),
+        ("configs/tiny.yaml", "configs/tiny.yaml", "a config file goes after --config"),
         ("model..n_layers=3", "model..n_layers", "empty component"),
         (".x=3", ".x", "empty component"),
         ("=3", "", "empty component"),
