@@ -5,7 +5,9 @@
 Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
 with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
 fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
-the batch, "spread" masks give the sequences different fractions around f (see random_masks).
+the batch, "spread" masks give the sequences different fractions around f (see random_masks). At f = 1
+every token runs, and the hard layer runs its block as a dense layer does (ragged.update_rows): that
+row measures the gates, not the ragged dispatch.
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
 torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its
 own shuffled order), their ratio, the interquartile range of the per-round ratios

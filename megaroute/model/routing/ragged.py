@@ -55,13 +55,17 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
     """out = x; out.flat[rows] += weight * block.update(x.flat[rows]); weight [N] (None = 1).
 
     rows row-major (ascending within each sequence), counts [B] of them per sequence. Without a KV
-    cache: incremental decoding appends per padded row (execute.update_padded).
+    cache: incremental decoding appends per padded row (execute.update_padded). When every token is
+    selected, the block runs on x as a dense layer does (the same values, bit for bit).
     """
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    lengths = counts.tolist()  # the one host sync: the attention layout depends on it
-    sel = Positions(pos.rope, pos.positions.reshape(B * T).index_select(0, rows).unsqueeze(1))  # [N, 1]
-    delta = block.recomputed(partial(_update, block, lengths), flat.index_select(0, rows), sel.cos, sel.sin)
+    if rows.shape[0] == B * T:  # every token runs: the block on the batch as it is (no gather, no layout)
+        delta = block.update(x, pos).reshape(B * T, D)
+    else:
+        lengths = counts.tolist()  # the one host sync: the attention layout depends on it
+        sel = Positions(pos.rope, pos.positions.reshape(B * T).index_select(0, rows).unsqueeze(1))  # [N, 1]
+        delta = block.recomputed(partial(_update, block, lengths), flat.index_select(0, rows), sel.cos, sel.sin)
     acc = torch.promote_types(torch.float32, torch.promote_types(x.dtype, delta.dtype))
     if weight is not None:
         acc = torch.promote_types(acc, weight.dtype)

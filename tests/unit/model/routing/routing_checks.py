@@ -34,9 +34,10 @@ def record_updates(monkeypatch, model) -> dict[int, list[torch.Tensor]]:
     update_rows = ragged.update_rows
 
     def recorded_rows(block, x, pos, rows, counts, weight=None):
-        picked = pos.positions.reshape(-1)[rows].split(counts.tolist())
-        calls[index[id(block)]].append(torch.nn.utils.rnn.pad_sequence(list(picked), batch_first=True,
-                                                                       padding_value=-1))
+        if rows.numel() < pos.positions.numel():  # every token selected: block.update records the call
+            picked = pos.positions.reshape(-1)[rows].split(counts.tolist())
+            calls[index[id(block)]].append(torch.nn.utils.rnn.pad_sequence(list(picked), batch_first=True,
+                                                                           padding_value=-1))
         return update_rows(block, x, pos, rows, counts, weight)
 
     monkeypatch.setattr(ragged, "update_rows", recorded_rows)

@@ -189,3 +189,19 @@ def test_forward_varlen_bf16_close_to_each_sequence_alone():
     pos = Positions(rope, positions.unsqueeze(1))
     out = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
     torch.testing.assert_close(out, _each_alone(attn, rope, x, positions, lengths), rtol=2e-2, atol=2e-2)
+
+
+def test_every_token_selected_runs_the_dense_block_without_a_layout(monkeypatch):
+    """A mask that keeps every token (a halting gate that skips nothing) gives exactly the dense
+    layer's output, x + block.update(x), with no gather or bucket layout built."""
+    block, pos = _setup()
+    block.eval()
+    x = torch.randn(B, T, 32, dtype=torch.float64)
+    dense = block(x, pos)
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("the ragged layout was built for a full mask")
+
+    monkeypatch.setattr(BucketLayout, "__init__", no_layout)
+    full = torch.ones(B, T, dtype=torch.bool)
+    assert torch.equal(update_masked(block, x, pos, full, dispatcher=Dispatcher("torch")), dense)
