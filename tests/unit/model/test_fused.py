@@ -316,6 +316,6 @@ def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make
 @pytest.mark.parametrize("n,vocab,rows", [(2048, 8192, 512), (2048, 32768, 512), (100, 32768, 100),
                                           (65536, 128, 32768), (0, 8192, 1)])
 def test_loss_chunks_hold_enough_rows_for_full_speed_matmuls(n, vocab, rows):
-    """A large vocabulary still gets CE_CHUNK_MIN_ROWS rows a chunk (64 rows at V 32768 ran the head's
-    matmuls 1.6x slower), a small one CE_CHUNK_ELEMENTS logits' worth, never more rows than there are."""
+    """A large vocabulary still gets CE_CHUNK_MIN_ROWS rows a chunk (64 rows at V 32768 made the loss and
+    head 1.6x slower), a small one CE_CHUNK_ELEMENTS logits' worth, never more rows than there are."""
     assert lm_loss.chunk_rows(n, vocab) == rows
