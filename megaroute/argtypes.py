@@ -36,3 +36,22 @@ non_negative_int = _bounded(int, 0, True, ">= 0")
 positive_float = _bounded(float, 0.0, False, "> 0")
 non_negative_float = _bounded(float, 0.0, True, ">= 0")
 fraction = _bounded(float, 0.0, False, "in (0, 1]", high=1.0)
+unit_interval = _bounded(float, 0.0, True, "in [0, 1]", high=1.0)
+
+
+def comma_list(convert):
+    """A converter for "a,b,c": each item through `convert`, at least one item."""
+    def parse(value: str) -> list:
+        items = value.split(",")
+        if not all(item.strip() for item in items):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {value!r}")
+        out = []
+        for item in items:
+            try:
+                out.append(convert(item.strip()))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{e} (in {value!r})") from None
+        return out
+
+    parse.__name__ = f"list of {convert.__name__}"
+    return parse

@@ -13,22 +13,27 @@ import time
 
 import torch
 
-from ..argtypes import positive_int
-from ..audit.report import audit_model
+from ..argtypes import comma_list, positive_int
+from ..audit.report import audit_model, auditable_methods
 from ..config import ConfigError, load_config
 from ..model import build_model
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="configs/tiny_mod.yaml,configs/mod_157m.yaml")
+    p.add_argument("--configs", type=comma_list(str), default=["configs/tiny_mod.yaml", "configs/mod_157m.yaml"],
+                   help="comma-separated configs of routed models (default configs/tiny_mod.yaml,configs/mod_157m.yaml)")
     p.add_argument("--tokens", type=positive_int, default=4096)
     p.add_argument("--batch-size", type=positive_int, default=4)
     args = p.parse_args(argv)
     try:  # every config, before the first is timed
-        cfgs = {path: load_config(path) for path in args.configs.split(",")}
+        cfgs = {path: load_config(path) for path in args.configs}
     except ConfigError as e:
         p.error(f"--configs: {e}")
+    for path, cfg in cfgs.items():
+        if cfg.routing.method not in auditable_methods():
+            p.error(f"--configs: {path}: the audit needs a routed model, one of {', '.join(auditable_methods())}; "
+                    f"got routing.method {cfg.routing.method!r}")
     print(f"{'config':<28}{'params':>10}{'seq':>6}{'tokens':>8}{'wall s':>9}{'tokens/s':>10}")
     for path, cfg in cfgs.items():
         torch.manual_seed(0)

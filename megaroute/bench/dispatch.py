@@ -26,7 +26,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..argtypes import positive_int
+from ..argtypes import comma_list, positive_int, unit_interval
 from ..config import load_config
 from ..model import ForwardOptions, build_model
 from .noise import per_round, round_order, verdict
@@ -115,21 +115,19 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="nanogpt,char")
-    p.add_argument("--fracs", default="1.0,0.8,0.5")
+    p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
+                   help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
     args = p.parse_args(argv)
     shapes = args.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:
             p.error(f"--shapes: unknown shape {s!r} (choose from {', '.join(SHAPES)})")
-    fracs = [float(f) for f in args.fracs.split(",")]
-    if not all(0.0 <= f <= 1.0 for f in fracs):
-        p.error(f"--fracs: fractions must lie in [0, 1], got {args.fracs}")
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11}")
     for s in shapes:
-        for r in bench_shape(s, fracs, args.repeats):
+        for r in bench_shape(s, args.fracs, args.repeats):
             note = "" if r["frac"] != 0.8 else "  " + verdict(r["ratio"], TARGET, r["rounds"], met="OK",
                                                              missed=f"ABOVE {TARGET} TARGET")
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from megaroute.argtypes import fraction, non_negative_int, positive_float, positive_int
+from megaroute.argtypes import comma_list, fraction, non_negative_int, positive_float, positive_int, unit_interval
 from megaroute.bench import step
 
 
@@ -15,6 +15,9 @@ from megaroute.bench import step
     (non_negative_int, {"0": 0, "3": 3}, ["-1", "x"]),
     (positive_float, {"0.5": 0.5, "1e3": 1000.0}, ["0", "-0.5", "nan", "inf", "x"]),
     (fraction, {"1": 1.0, "0.125": 0.125}, ["0", "1.5", "-0.1", "nan"]),
+    (unit_interval, {"0": 0.0, "1": 1.0, "0.8": 0.8}, ["1.5", "-0.1", "nan", "x"]),
+    (comma_list(unit_interval), {"1.0,0.8": [1.0, 0.8], "0.5": [0.5], "0.8, 0.5": [0.8, 0.5]},
+     ["", "0.8,", "0.5,,1", "0.8,abc", "0.8,1.5", "nan"]),
 ])
 def test_converters(convert, good, bad):
     for text, value in good.items():

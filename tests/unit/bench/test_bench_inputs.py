@@ -9,6 +9,7 @@ import pytest
 
 from megaroute.bench import audit as bench_audit
 from megaroute.bench import convert as bench_convert
+from megaroute.bench import dispatch as bench_dispatch
 from megaroute.bench import memory as bench_memory
 from megaroute.bench import moe as bench_moe
 from megaroute.bench import routing as bench_routing
@@ -66,3 +67,15 @@ def test_runs_dir_checked_before_the_first_training(capsys, tmp_path, main, unde
     err = _refused(capsys, main, ["--runs-dir", str(runs_dir), "--quick"])
     assert "--runs-dir" in err and "is not a directory" in err
     assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("fracs, message", [("0.8,abc", "expected a number, got 'abc'"), ("", "comma-separated list"),
+                                            ("0.8,1.5", "must be in [0, 1], got 1.5")])
+def test_dispatch_names_a_bad_fraction(capsys, fracs, message):
+    assert message in _refused(capsys, bench_dispatch.main, ["--fracs", fracs])  # was a ValueError traceback
+
+
+def test_audit_refuses_a_config_without_routing_before_timing_any(capsys):
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    err = _refused(capsys, bench_audit.main, ["--configs", f"{configs / 'tiny_mod.yaml'},{configs / 'tiny.yaml'}"])
+    assert "tiny.yaml: the audit needs a routed model" in err and "'none'" in err
