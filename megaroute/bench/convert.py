@@ -47,6 +47,7 @@ from ..hf.synthetic import write_checkpoint
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
 from ..model.routing.calibration import QuantileCut
+from ..paths import dir_problem
 from .launch import REPO, last_records, run_launcher
 
 CHAR_DATA = os.path.join(REPO, "configs/data/tinyshakespeare_char.yaml")   # how the corpus is prepared
@@ -208,6 +209,9 @@ def main(argv=None) -> int:
             load_config(config, ["model.dtype=float32"])
         except ConfigError as e:
             p.error(f"{flag}: {e}")
+    problem = args.workdir and dir_problem(args.workdir)
+    if problem:
+        p.error(f"--workdir: {problem}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 

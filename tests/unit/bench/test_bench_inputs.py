@@ -79,3 +79,15 @@ def test_audit_refuses_a_config_without_routing_before_timing_any(capsys):
     configs = Path(__file__).resolve().parents[3] / "configs"
     err = _refused(capsys, bench_audit.main, ["--configs", f"{configs / 'tiny_mod.yaml'},{configs / 'tiny.yaml'}"])
     assert "tiny.yaml: the audit needs a routed model" in err and "'none'" in err
+
+
+def test_convert_workdir_checked_before_anything_is_prepared(capsys, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    err = _refused(capsys, bench_convert.main, ["--workdir", str(blocker)])  # was a makedirs traceback
+    assert "--workdir" in err and "is not a directory" in err
+
+
+def test_memory_only_matching_no_case_is_refused(capsys):
+    err = _refused(capsys, bench_memory.main, ["--quick", "--only", "no-such-case"])  # printed an empty table
+    assert "no case's name contains it" in err and "tiny dense z1" in err
