@@ -114,19 +114,19 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="nanogpt,char")
+    p.add_argument("--shapes", type=comma_list(str), default=list(SHAPES),
+                   help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
                    help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
     args = p.parse_args(argv)
-    shapes = args.shapes.split(",")
-    for s in shapes:
+    for s in args.shapes:
         if s not in SHAPES:
             p.error(f"--shapes: unknown shape {s!r} (choose from {', '.join(SHAPES)})")
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11}")
-    for s in shapes:
+    for s in args.shapes:
         for r in bench_shape(s, args.fracs, args.repeats):
             note = "" if r["frac"] != 0.8 else "  " + verdict(r["ratio"], TARGET, r["rounds"], met="OK",
                                                              missed=f"ABOVE {TARGET} TARGET")

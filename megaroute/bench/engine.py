@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..argtypes import non_negative_int, positive_int
+from ..argtypes import comma_list, non_negative_int, positive_int
 from ..config import load_config
 from ..model import build_model
 from ..train import engine as ds
@@ -108,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--batch", type=positive_int, default=8)
-    p.add_argument("--models", default="tiny,384")
+    p.add_argument("--models", type=comma_list(str), default=["tiny", "384"],
+                   help=f"comma-separated, of {', '.join(SHAPES)} (default tiny,384)")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
     args = p.parse_args(argv)
-    for name in args.models.split(","):
+    for name in args.models:
         if name not in SHAPES:
             p.error(f"--models: unknown model {name!r} (choose from {', '.join(SHAPES)})")
     env = detect_env()
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"{'model':<6} {'tokens/step':>11} {'plain CPU':>10} {'engine CPU':>11} {'overhead':>9}   "
               f"{'plain wall':>10} {'engine wall':>11} {'overhead':>9}")
-        rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models.split(",")]
+        rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models]
         for r in rows:
             print(f"{r['shape']:<6} {r['tokens']:>11} {r['plain_s'] * 1e3:>8.1f}ms {r['engine_s'] * 1e3:>9.1f}ms "
                   f"{100 * r['overhead']:>8.1f}%   {r['plain_wall_s'] * 1e3:>8.1f}ms "

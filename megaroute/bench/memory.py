@@ -199,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             p.error(f"--json {args.json}: {problem}")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    todo = [c for c in cases(args.quick, not args.no_157m) if not args.only or args.only in c.name]
+    available = cases(args.quick, not args.no_157m)
+    todo = [c for c in available if not args.only or args.only in c.name]
     if not todo:
-        p.error(f"--only {args.only!r}: no case's name contains it (cases: "
-                f"{', '.join(c.name for c in cases(args.quick, not args.no_157m))})")
+        p.error(f"--only {args.only!r}: no case's name contains it (cases: {', '.join(c.name for c in available)})")
     results = []
     with tempfile.TemporaryDirectory(prefix="megaroute-mem-") as work:
         data_dir = os.path.join(work, "char")
