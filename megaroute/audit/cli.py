@@ -13,8 +13,8 @@ from ..config import ConfigError, load_config
 from ..paths import check_out_dir
 from ..sweep.mlflow_runs import require_store
 from ..train.tracking import config_uri
-from .report import (audit_model, batches_for, check_data, find_config, is_hf_dir, load_run_model, log_to_mlflow,
-                     seed_report, write_report)
+from .report import (audit_model, batches_for, check_data, check_reference, check_tokenizer, checkpoint_config,
+                     find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report, write_report)
 
 
 def add_parser(sub) -> None:
@@ -52,8 +52,12 @@ def run(args) -> int:
     run_dir = args.checkpoint if hf else os.path.dirname(config)
     out = args.out or os.path.join(run_dir, "audit")
     check_out_dir(out, "--out" if args.out else "report directory")
-    check_data(args.data_dir or run_cfg.data.output_dir, args.data,
-               "--data-dir" if args.data_dir else "the run's data.output_dir")
+    data_hash = check_data(args.data_dir or run_cfg.data.output_dir, args.data,
+                           "--data-dir" if args.data_dir else "the run's data.output_dir")
+    audited = run_cfg or checkpoint_config(args.checkpoint)
+    check_tokenizer("the audited checkpoint", args.checkpoint, audited, data_hash)
+    if args.reference:
+        check_reference(args.reference, audited, data_hash)
     uri = args.mlflow_uri or (config_uri(run_cfg) if run_cfg else None)
     if args.experiment or args.run_id:
         require_store(uri)

@@ -30,6 +30,7 @@ from ..data import DataError
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.tokenizers import load_tokenizer
 from ..hf.llama import megaroute_state_dict, model_config_from_llama
+from ..hf.configuration_megaroute import MegarouteConfig
 from ..hf.modeling_megaroute import megaroute_sections
 from ..hf.reader import ConversionError, full_state_dict, locate
 from ..model import ForwardOptions, build_model
@@ -76,22 +77,86 @@ def load_hf_model(path: str, device: str = "cpu"):
 
 
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-
+    cfg = checkpoint_config(path)
+    model = build_model(cfg.model, cfg.routing)
     if hf.config.model_type == "llama":  # a dense export: rebuild megaroute's Transformer from its weights
-        model_cfg, routing_cfg = model_config_from_llama(hf.config), RoutingConfig(method="none")
-        model = build_model(model_cfg, routing_cfg)
-        model.load_state_dict(megaroute_state_dict(hf.state_dict(), model_cfg.tie_embeddings))
-        cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
-        cfg.data.seq_len = model_cfg.max_seq_len
-        return model.to(device).eval(), cfg
-    model_cfg, routing_cfg = megaroute_sections(hf.config)
-    # hf.model is the export's bundled copy of the code (megaroute/hf/bundle.py), other classes than
-    # this package's: the audit runs this package's Transformer on its weights.
-    model = build_model(model_cfg, routing_cfg)
-    model.load_state_dict(hf.model.state_dict())
+        model.load_state_dict(megaroute_state_dict(hf.state_dict(), cfg.model.tie_embeddings))
+    else:
+        # hf.model is the export's bundled copy of the code (megaroute/hf/bundle.py), other classes than
+        # this package's: the audit runs this package's Transformer on its weights.
+        model.load_state_dict(hf.model.state_dict())
+    return model.to(device).eval(), cfg
+
+
+def checkpoint_config(path: str) -> Config:
+    """The Config of a run or checkpoint path, or of a converted Hugging Face directory, read without
+    loading any weights (for checks before a model loads). A Hugging Face directory's Config holds its
+    model and routing sections; its data section is a placeholder, seq_len the model's max_seq_len."""
+    if not is_hf_dir(path):
+        try:
+            return locate(path).config
+        except ConversionError as e:
+            raise ConfigError("", str(e)) from None
+    c = _hf_json(path)
+    if c["model_type"] == "llama":  # a dense export (megaroute.hf.llama)
+        model_cfg, routing_cfg = model_config_from_llama(c), RoutingConfig(method="none")
+    else:
+        model_cfg, routing_cfg = megaroute_sections(MegarouteConfig.from_dict(c))
     cfg = Config(name=os.path.basename(os.path.normpath(path)), model=model_cfg, routing=routing_cfg)
     cfg.data.seq_len = model_cfg.max_seq_len
-    return model.to(device).eval(), cfg
+    return cfg
+
+
+def _hf_json(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def trained_tokenizer_hash(path: str, cfg: Config) -> Optional[str]:
+    """sha256 of the tokenizer a checkpoint was trained with, where that is known without loading weights:
+    an export's config.json records it, a run's prepared data directory (data.output_dir) holds it.
+    None when neither is there (an export of an older version, a run whose data has been removed)."""
+    if is_hf_dir(path):
+        return (_hf_json(path).get("megaroute_source") or {}).get("tokenizer_sha256")
+    try:
+        return load_tokenizer(cfg.data.output_dir).hash
+    except DataError:
+        return None
+
+
+def check_tokenizer(what: str, path: str, cfg: Config, data_hash: str) -> None:
+    """ConfigError naming `what` when the checkpoint at `path` was trained with another tokenizer than the
+    evaluation data's (token ids that mean other text: every loss would be silently wrong)."""
+    trained = trained_tokenizer_hash(path, cfg)
+    if trained is not None and trained != data_hash:
+        raise ConfigError("", f"{what} {path} was trained with tokenizer {trained[:12]}, but the evaluation data "
+                              f"uses tokenizer {data_hash[:12]}: token ids would mean other text")
+
+
+def check_reference(path: str, cfg: Config, data_hash: str) -> None:
+    """`--reference`, before any model loads. Its loss is reported as the dense baseline's and its token
+    entropy stratifies the audit, so it must be a dense model (a routed model's forward is training-mode
+    top-k, which sees future tokens) with the audited model's vocabulary and the evaluation data's
+    tokenizer, long enough for the audited sequences (cfg.data.seq_len)."""
+    if not os.path.exists(path):
+        raise ConfigError("", f"--reference {path}: no such file or directory")
+    try:
+        ref = checkpoint_config(path)
+    except ConfigError as e:
+        raise ConfigError("", f"--reference {e}") from None
+    problems = []
+    if ref.routing.method != "none":
+        problems.append(f"routing.method is {ref.routing.method!r}, but the reference must be a dense model "
+                        "(routing.method none): its loss is reported as the dense baseline's")
+    if ref.model.vocab_size != cfg.model.vocab_size:
+        problems.append(f"model.vocab_size {ref.model.vocab_size} differs from the audited model's "
+                        f"{cfg.model.vocab_size}")
+    if ref.model.max_seq_len < cfg.data.seq_len:
+        problems.append(f"model.max_seq_len {ref.model.max_seq_len} is shorter than the audited sequences "
+                        f"(data.seq_len {cfg.data.seq_len})")
+    if problems:
+        raise ConfigError("", f"--reference {path}: " + "; ".join(problems))
+    check_tokenizer("--reference", path, ref, data_hash)
 
 
 def load_run_model(path: str, device: str = "cpu"):
@@ -611,18 +676,18 @@ def log_to_mlflow(uri: str, run_id: str, paths: list[str]) -> None:
         client.log_artifact(run_id, path, "audit")
 
 
-def check_data(data_dir: str, split: str, what: str = "--data-dir") -> None:
+def check_data(data_dir: str, split: str, what: str = "--data-dir") -> str:
     """Cheap check, before a model loads, that `data_dir` holds a prepared `split` with at least one
-    sample: index, shard sizes, tokenizer (no shard is read where the index records its id range).
-    The model's seq_len and vocabulary are checked by `batches_for`. ConfigError naming `what` and the
-    file otherwise."""
+    sample: index, shard sizes, tokenizer (no shard is read where the index records its id range);
+    returns the tokenizer's sha256. The model's seq_len and vocabulary are checked by `batches_for`.
+    ConfigError naming `what` and the file otherwise."""
     if not os.path.isdir(data_dir):
         problem = "is not a directory" if os.path.exists(data_dir) else "does not exist"
         raise ConfigError("", f"{what} {data_dir}: {problem} (it names a prepared data directory: "
                               "megaroute data prepare)")
     try:
         PackedDataset(data_dir, split, seq_len=1)
-        load_tokenizer(data_dir)
+        return load_tokenizer(data_dir).hash
     except DataError as e:
         raise ConfigError("", f"{what} {data_dir}: {e}") from None
 

@@ -12,8 +12,6 @@ import signal
 import sys
 import time
 
-import torch
-
 import megaroute.train.checkpoint as checkpoint
 from megaroute.model import transformer
 from megaroute.train.run import main

@@ -62,7 +62,7 @@ def test_stop_and_resume_is_bit_identical(workdir, char_data, reference, stage):
 
     second = _run(workdir, char_data, name, f"optim.zero_stage={stage}")
     assert second.wait() == EXIT_OK, second.output()[-3000:]
-    assert f"resumed from" in second.output() and f"at step {STEPS // 2}" in second.output()
+    assert "resumed from" in second.output() and f"at step {STEPS // 2}" in second.output()
     assert losses(run_dir) == reference(stage)
 
 

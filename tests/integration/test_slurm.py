@@ -132,7 +132,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(cluster, mlflow_server, 
     assert m and 20 <= int(m.group(1)) < steps, first
     stopped_at = int(m.group(1))
     assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
-    assert f"resumed from" in second and f"at step {stopped_at}" in second, second
+    assert "resumed from" in second and f"at step {stopped_at}" in second, second
     assert (run_dir / "logs" / f"{job}-r1-rank1.log").exists()
     # Every step is logged once: the stop checkpointed the last completed step, so none is lost or redone.
     assert sorted(read_metrics(run_dir)) == list(range(1, steps + 1))

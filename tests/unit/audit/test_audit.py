@@ -147,3 +147,57 @@ def test_load_run_model_reads_a_run_dir_checkpoints_dir_tag_dir_or_file(make_mod
     os.remove(os.path.join(tag_dir, "manifest.json"))  # checked as the converter checks it
     with pytest.raises(ConfigError, match="no manifest.json: the checkpoint was never committed"):
         load_run_model(str(run))
+
+
+def _prepared(root, text: str) -> str:
+    """A char-level prepared directory of `text` (its tokenizer: the characters of `text`)."""
+    from megaroute.config import load_config
+    from megaroute.data.prepare import prepare
+
+    root.mkdir(parents=True)
+    (root / "corpus.txt").write_text(text)
+    c = load_config(None, ["data.tokenizer.kind=char", f"data.source={root / 'corpus.txt'}",
+                           f"data.output_dir={root / 'out'}", "data.num_workers=1", "data.val_fraction=0.2"])
+    prepare(c.data, progress=False)
+    return str(root / "out")
+
+
+def test_audit_refuses_a_reference_that_is_routed_or_of_another_vocabulary_tokenizer_or_length(
+        make_model, tmp_path, capsys):
+    """--reference is checked before any model loads: its loss is reported as the dense baseline's and
+    its entropy stratifies the audit, so a routed model (whose forward is top-k: it sees the future),
+    another vocabulary or tokenizer, or a shorter context would give numbers under a wrong label."""
+    from megaroute.cli import main
+    from megaroute.hf.convert import convert
+    from megaroute.hf.synthetic import write_checkpoint
+
+    data = _prepared(tmp_path / "a", "".join(f"line {i}: the quick brown fox\n" for i in range(2000)))
+    other = _prepared(tmp_path / "b", "".join(f"LINE {i}: THE LAZY DOG\n" for i in range(2000)))
+    runs = tmp_path / "runs"
+
+    def run(name: str, *overrides: str) -> str:
+        model, cfg = make_model(f"name={name}", f"data.output_dir={data}", *overrides)
+        write_checkpoint(model, cfg, str(runs / name))
+        return str(runs / name)
+
+    audited = run("mod", "routing.method=mod")
+    refs = {"routed": run("routed", "routing.method=mod"), "vocab": run("vocab", "model.vocab_size=101"),
+            "short": run("short", "model.max_seq_len=16", "data.seq_len=16"), "dense": run("dense"),
+            "tokenizer": run("tokenizer", f"data.output_dir={other}")}
+    refs["hf_tokenizer"] = convert(refs["tokenizer"], str(tmp_path / "hf_tokenizer"), progress=False)
+    expected = {"routed": "routing.method is 'mod'", "vocab": "model.vocab_size 101 differs",
+                "short": "model.max_seq_len 16 is shorter", "tokenizer": "was trained with tokenizer",
+                "hf_tokenizer": "was trained with tokenizer", "gone": "no such file or directory"}
+    refs["gone"] = str(tmp_path / "gone")
+    for name, message in expected.items():
+        out = tmp_path / f"report_{name}"
+        rc = main(["audit", audited, "--reference", refs[name], "--tokens", "64", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--reference {refs[name]}" in err and message in err, (name, err)
+        assert not out.exists()
+    # the audited checkpoint's own tokenizer against --data-dir's
+    rc = main(["audit", refs["tokenizer"], "--data-dir", data, "--tokens", "64", "--out", str(tmp_path / "r")])
+    assert rc == 2 and "the audited checkpoint" in capsys.readouterr().err
+    rc = main(["audit", audited, "--reference", refs["dense"], "--tokens", "64", "--out", str(tmp_path / "ok")])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "ok" / "audit.json").is_file()

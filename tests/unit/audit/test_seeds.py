@@ -183,7 +183,7 @@ def test_seed_report_refuses_to_pool_runs_that_differ(experiment, key, value, sh
         seed_report(uri, name)
     message = str(e.value)
     assert "refusing to pool the seeds of mod@tiny" in message
-    assert f"{shown}: mod-s1 (" in message and f"= {old}" in message and f"mod-s2 (" in message
+    assert f"{shown}: mod-s1 (" in message and f"= {old}" in message and "mod-s2 (" in message
     assert f"= {value}" in message
 
 
