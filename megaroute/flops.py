@@ -275,10 +275,13 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, num_devi
 # name, most specific first. H200 has H100 SXM's compute (more memory, same peak).
 GPU_PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
     ("H200", 989e12),
     ("H100", 989e12),
     ("A100", 312e12),
-    ("V100", 125e12),
+    ("V100S", 130e12),
+    ("V100-PCIE", 112e12),
+    ("V100", 125e12),  # SXM2
 )
 
 # CPU: a rough figure, cores x clock x FLOPs per cycle. 32 = two 256-bit FMA units x 8 fp32

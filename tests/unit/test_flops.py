@@ -218,6 +218,9 @@ def test_mfu_and_peak_flops():
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA H200") == peak_flops("H100")
     assert peak_flops("Tesla V100-SXM2-32GB") == 125e12
+    # the PCIe and NVL boards clock lower: matched before their family's SXM figure
+    assert peak_flops("Tesla V100-PCIE-16GB") == 112e12 and peak_flops("Tesla V100S-PCIE-32GB") == 130e12
+    assert peak_flops("NVIDIA H100 NVL") == 835e12
     assert peak_flops("cpu") > 0
     with pytest.raises(ValueError, match="train.peak_flops"):
         peak_flops("Some Unknown Accelerator")
