@@ -9,6 +9,9 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 ROUTING_MODES = ("causal", "hard", "topk")
+TOPK_WARNING = ("routing_mode 'topk': routed layers choose their tokens by top-k over the whole sequence, which "
+                "sees future tokens; log-likelihoods (lm-eval) and generations of this model are not "
+                "autoregressive. routing_mode 'causal' (the default) is the honest one.")
 
 
 class MegarouteConfig(PretrainedConfig):

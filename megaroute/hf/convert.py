@@ -43,7 +43,7 @@ from ..data.tokenizers import load_tokenizer
 from ..paths import dir_problem
 from .adapter import StateDictAdapter
 from .bundle import BundleError, bundle_sources
-from .configuration_megaroute import ROUTING_MODES, MegarouteConfig
+from .configuration_megaroute import ROUTING_MODES, TOPK_WARNING, MegarouteConfig
 from .llama import llama_config, llama_tensors
 from .reader import (CheckpointSource, ConversionError, IntegrityError, check_config_hash, client_state, locate,
                      merged_tensors, verify_checksums)
@@ -200,6 +200,8 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
         raise ConversionError(f"--format llama needs a dense model (routing.method none); {src.tag_dir} uses "
                               f"routing.method {src.config.routing.method!r}: use --format megaroute")
     llama = format == "llama" or (format == "auto" and dense)
+    if routing_mode == "topk" and not dense:
+        print(f"WARNING: --routing-mode topk: {TOPK_WARNING}", file=sys.stderr, flush=True)
     if skip_verify:
         print(f"WARNING: --skip-verify: the sha256 of {src.tag_dir}'s files and its config_hash are NOT checked; "
               "a damaged or foreign checkpoint converts into a plausible but wrong model", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ routing mode; the config's default ("causal") is one.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Optional
 
@@ -25,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..config import ModelConfig, RoutingConfig
 from ..model import ForwardOptions, build_model
 from ..model.rope import RotaryEmbedding
-from .configuration_megaroute import MegarouteConfig
+from .configuration_megaroute import TOPK_WARNING, MegarouteConfig
 
 
 def _section(cls, values: dict, path: str):
@@ -86,6 +87,8 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
         super().__init__(config)
         model_cfg, routing_cfg = megaroute_sections(config)
         routing_cfg.dispatch = "torch"  # the same result as the Triton kernels, which are not shipped
+        if config.routing_mode == "topk" and routing_cfg.method != "none":
+            warnings.warn(TOPK_WARNING, stacklevel=2)
         self.model = build_model(model_cfg, routing_cfg)
         self.post_init()
 

@@ -83,9 +83,12 @@ def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char
 
 
 @torch.no_grad()
-def test_topk_mode_is_selectable(make_run, tmp_path, char_tok):
+def test_topk_mode_is_selectable(make_run, tmp_path, char_tok, capsys):
     run, model, _ = make_run("routing.method=mod")
-    hf = _load(_convert(run, tmp_path / "hf", char_tok, routing_mode="topk"))
+    out = _convert(run, tmp_path / "hf", char_tok, routing_mode="topk")
+    assert "WARNING: --routing-mode topk" in capsys.readouterr().err  # the export's numbers see the future
+    with pytest.warns(UserWarning, match="routing_mode 'topk'.*sees future tokens"):  # and so does each load
+        hf = _load(out)
     x = torch.randint(0, 60, (1, 32))
     torch.testing.assert_close(hf(x).logits, model(x, options=ForwardOptions(mode="topk")).logits, atol=1e-4, rtol=0)
     assert not torch.allclose(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
