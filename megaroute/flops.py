@@ -284,18 +284,51 @@ GPU_PEAK_FLOPS = (
     ("V100", 125e12),  # SXM2
 )
 
-# CPU: a rough figure, cores x clock x FLOPs per cycle. 32 = two 256-bit FMA units x 8 fp32
-# lanes x 2 (AVX2); AVX-512 cores double it, AMX raises bf16 far more. 2.5 GHz is a typical
-# all-core server clock. Only for order-of-magnitude CPU MFU; set train.peak_flops to compare.
+# CPU: cores x clock x FLOPs per cycle and core of the widest units the CPU reports. 2.5 GHz is a
+# typical all-core server clock (turbo can exceed it: bench.step measures the achieved matmul peak
+# beside it). FLOPs per cycle assume two FMA units: fp32 2 x lanes x 2 (AVX2 8 lanes, AVX-512 16;
+# parts with one AVX-512 FMA unit reach half, so their MFU reads low, never high); bf16 with AMX
+# 1024 (Intel: 1024 bf16 FLOPs per cycle and core), with AVX512_BF16 dot products 128; fp16 with
+# AMX-FP16 1024, with AVX512_FP16 128; else the fp32 rate. Set train.peak_flops for an exact figure.
 CPU_GHZ = 2.5
-CPU_FLOPS_PER_CYCLE = 32
+CPU_FLOPS_PER_CYCLE = {  # (instruction set flag in /proc/cpuinfo, FLOPs per cycle), widest first
+    "fp32": (("avx512f", 64), ("avx2", 32), ("", 16)),
+    "bf16": (("amx_bf16", 1024), ("avx512_bf16", 128)),
+    "fp16": (("amx_fp16", 1024), ("avx512_fp16", 128)),
+}
 
 
-def cpu_peak_flops(cores: Optional[int] = None) -> float:
-    """Rough peak FLOP/s of `cores` CPU cores (default: the cores this process may run on)."""
+def cpu_flags() -> set[str]:
+    """Instruction-set flags of this CPU (Linux /proc/cpuinfo), or those implied by torch's detected
+    vector capability where that file is unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {"avx512f", "avx2"} if capability.startswith("AVX512") else {"avx2"} if capability == "AVX2" else set()
+
+
+def cpu_flops_per_cycle(precision: str = "fp32", flags: Optional[set[str]] = None) -> int:
+    """Peak FLOPs per cycle and core at `precision` (fp32, bf16, fp16), from the CPU's flags
+    (default: cpu_flags()); 16-bit without its own units runs at the fp32 rate."""
+    flags = cpu_flags() if flags is None else flags
+    if precision not in CPU_FLOPS_PER_CYCLE:
+        raise ValueError(f"precision must be one of {sorted(CPU_FLOPS_PER_CYCLE)}, got {precision!r}")
+    for flag, per_cycle in CPU_FLOPS_PER_CYCLE[precision]:
+        if not flag or flag in flags:
+            return per_cycle
+    return cpu_flops_per_cycle("fp32", flags)
+
+
+def cpu_peak_flops(cores: Optional[int] = None, precision: str = "fp32") -> float:
+    """Peak FLOP/s of `cores` CPU cores (default: the cores this process may run on) at `precision`."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores * CPU_GHZ * 1e9 * CPU_FLOPS_PER_CYCLE
+    return cores * CPU_GHZ * 1e9 * cpu_flops_per_cycle(precision)
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", n: int = 2048,
@@ -323,16 +356,17 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch
     return 2 * n**3 / best
 
 
-def peak_flops(device: Optional[str] = None) -> float:
+def peak_flops(device: Optional[str] = None, precision: str = "fp32") -> float:
     """Peak FLOP/s of one device.
 
     `device` is a device name ("NVIDIA A100-SXM4-80GB", "H100", "cpu"); None detects the current
     device (CUDA if available, else CPU). Unknown GPUs raise: set train.peak_flops explicitly.
+    GPUs: the 16-bit tensor-core peak, whatever `precision`; CPUs: the peak at `precision`.
     """
     if device is None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     if device.lower() == "cpu":
-        return cpu_peak_flops()
+        return cpu_peak_flops(precision=precision)
     for key, value in GPU_PEAK_FLOPS:
         if key.lower() in device.lower():
             return value
@@ -341,6 +375,6 @@ def peak_flops(device: Optional[str] = None) -> float:
 
 __all__ = [
     "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
-    "cpu_peak_flops", "estimate_flops", "flops_per_token", "measure_matmul_flops", "mfu", "peak_flops",
-    "training_proxy",
+    "cpu_flops_per_cycle", "cpu_peak_flops", "estimate_flops", "flops_per_token", "measure_matmul_flops", "mfu",
+    "peak_flops", "training_proxy",
 ]

@@ -77,7 +77,7 @@ def _peak_flops(cfg: Config, env: DistEnv) -> float:
     if cfg.train.peak_flops:
         return cfg.train.peak_flops
     if env.device == "cpu":
-        return peak_flops("cpu") / int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        return peak_flops("cpu", cfg.train.precision) / int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     try:
         return peak_flops(None)
     except ValueError as e:  # a GPU missing from the table must not stop training: MFU is logged as NaN

@@ -222,6 +222,21 @@ def test_mfu_and_peak_flops():
     assert peak_flops("Tesla V100-PCIE-16GB") == 112e12 and peak_flops("Tesla V100S-PCIE-32GB") == 130e12
     assert peak_flops("NVIDIA H100 NVL") == 835e12
     assert peak_flops("cpu") > 0
+
+
+def test_cpu_peak_follows_the_instruction_set_and_precision():
+    from megaroute.flops import CPU_GHZ, cpu_flops_per_cycle, cpu_peak_flops
+
+    spr = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}  # Sapphire Rapids
+    assert cpu_flops_per_cycle("fp32", spr) == 64 and cpu_flops_per_cycle("bf16", spr) == 1024
+    assert cpu_flops_per_cycle("fp16", spr) == 128
+    assert cpu_flops_per_cycle("bf16", {"avx2", "avx512f", "avx512_bf16"}) == 128  # Cooper Lake, Zen 4
+    assert cpu_flops_per_cycle("fp32", {"avx2"}) == 32 == cpu_flops_per_cycle("bf16", {"avx2"})  # no 16-bit units
+    assert cpu_flops_per_cycle("fp32", set()) == 16
+    with pytest.raises(ValueError, match="precision"):
+        cpu_flops_per_cycle("fp8", spr)
+    assert cpu_peak_flops(2, "bf16") == 2 * CPU_GHZ * 1e9 * cpu_flops_per_cycle("bf16")
+    assert peak_flops("cpu", "bf16") == cpu_peak_flops(precision="bf16") >= cpu_peak_flops(precision="fp32")
     with pytest.raises(ValueError, match="train.peak_flops"):
         peak_flops("Some Unknown Accelerator")
     with pytest.raises(ValueError):
