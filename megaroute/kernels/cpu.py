@@ -6,6 +6,8 @@
     rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
     causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
                                           (built where torch's headers declare the float32 brgemm)
+    varlen_attention_forward              the same per (sequence, head) of rows laid end to end:
+                                          forward_varlen in float32 without autograd (same condition)
     cross_entropy_rows                    the LM loss's softmax passes, model/lm_loss.py's
                                           _LinearCrossEntropy (per row: loss, and the gradient in place)
 

@@ -10,6 +10,8 @@
 //                                        gather fused with RoPE, and the unpadding
 //   causal_attention_forward / _backward float32 causal attention per head through oneDNN's brgemm
 //                                        (attention._CausalAttentionF32; see its section below)
+//   varlen_attention_forward             the same forward per (sequence, head) of rows laid end to
+//                                        end: attention.forward_varlen in float32 without autograd
 //   cross_entropy_rows                   lm_loss._LinearCrossEntropy: per row, the loss and its gradient
 // Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
 // RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
@@ -627,6 +629,31 @@ inline void block_probs(float* p, int64_t a, int64_t b, float scale, const float
   }
 }
 
+// One head's causal attention: T rows of Q, K, V and O, each `*_row` elements apart (Dh contiguous);
+// kt [Dh, T] and scores [kQueryBlock, T] are scratch; lse (nullptr: not kept) gets each row's logsumexp.
+inline void attend_head(const float* Q, int64_t q_row, const float* K, int64_t k_row, const float* V, int64_t v_row,
+                        float* O, int64_t o_row, int64_t T, int64_t Dh, float scale, float* lse, float* kt,
+                        float* scores) {
+  transpose(K, k_row, kt, T, Dh);
+  for (int64_t a = 0; a < T; a += kQueryBlock) {
+    const int64_t b = std::min(T, a + kQueryBlock), m = b - a;
+    at::native::cpublas::brgemm(m, b, Dh, q_row, T, b, false, Q + a * q_row, kt, scores, false);
+    for (int64_t r = 0; r < m; ++r) {  // softmax over keys [0, a + r]
+      float* row = scores + r * b;
+      const int64_t valid = a + r + 1;
+      const float mx = at::vec::reduce_all<float>([](fVec x, fVec y) { return at::vec::maximum(x, y); }, row, valid);
+      const fVec vs(scale), vm(mx * scale);
+      at::vec::map([&](fVec x) { return (x * vs - vm).exp_u20(); }, row, row, valid);
+      const float sum = at::vec::reduce_all<float>([](fVec x, fVec y) { return x + y; }, row, valid);
+      const fVec inv(1.f / sum);
+      at::vec::map([&](fVec x) { return x * inv; }, row, row, valid);
+      std::fill(row + valid, row + b, 0.f);
+      if (lse != nullptr) lse[a + r] = mx * scale + std::log(sum);
+    }
+    at::native::cpublas::brgemm(m, Dh, b, b, v_row, o_row, false, scores, V, O + a * o_row, false);
+  }
+}
+
 std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_f32_heads(q, "q", q);
   check_f32_heads(k, "k", q);
@@ -641,30 +668,53 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::
     std::vector<float> kt(Dh * T), scores(kQueryBlock * T);
     for (int64_t bh = h0; bh < h1; ++bh) {
       const HeadView Q = head_of(qh, bh, H), K = head_of(kh, bh, H), V = head_of(vh, bh, H), O = head_of(oh, bh, H);
-      float* L = lse.data_ptr<float>() + bh * T;
-      transpose(K.data, K.row, kt.data(), T, Dh);
-      for (int64_t a = 0; a < T; a += kQueryBlock) {
-        const int64_t b = std::min(T, a + kQueryBlock), m = b - a;
-        float* S = scores.data();
-        at::native::cpublas::brgemm(m, b, Dh, Q.row, T, b, false, Q.data + a * Q.row, kt.data(), S, false);
-        for (int64_t r = 0; r < m; ++r) {  // softmax over keys [0, a + r]; the row's logsumexp kept
-          float* row = S + r * b;
-          const int64_t valid = a + r + 1;
-          const float mx = at::vec::reduce_all<float>([](fVec x, fVec y) { return at::vec::maximum(x, y); }, row, valid);
-          const fVec vs(scale), vm(mx * scale);
-          at::vec::map([&](fVec x) { return (x * vs - vm).exp_u20(); }, row, row, valid);
-          const float sum = at::vec::reduce_all<float>([](fVec x, fVec y) { return x + y; }, row, valid);
-          const fVec inv(1.f / sum);
-          at::vec::map([&](fVec x) { return x * inv; }, row, row, valid);
-          std::fill(row + valid, row + b, 0.f);
-          L[a + r] = mx * scale + std::log(sum);
-        }
-        at::native::cpublas::brgemm(m, Dh, b, b, V.row, O.row, false, S, V.data, O.data + a * O.row, false);
-      }
+      attend_head(Q.data, Q.row, K.data, K.row, V.data, V.row, O.data, O.row, T, Dh, scale,
+                  lse.data_ptr<float>() + bh * T, kt.data(), scores.data());
     }
     at::native::cpublas::brgemm_release(false);
   });
   return {out, lse};
+}
+
+// Causal attention within each sequence of rows laid end to end (attention.forward_varlen without
+// autograd): q, k, v [N, H, Dh] float32 with any row and head strides (Dh contiguous), offsets [S + 1]
+// int64 (cu_seqlens: sequence s is rows offsets[s] .. offsets[s + 1], empty ones allowed) -> out
+// [N, H, Dh]. Every (sequence, head) runs at its own length: no padding, no layout.
+at::Tensor varlen_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& offsets) {
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->sizes() == q.sizes() &&
+                    (t->stride(2) == 1 || t->numel() == 0),
+                name, " must be a float32 CPU [N, H, Dh] tensor with Dh contiguous, shaped like q");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
+                  offsets.numel() >= 1 && offsets.device().is_cpu(),
+              "offsets must be a contiguous int64 CPU tensor [S + 1]");
+  const int64_t N = q.size(0), H = q.size(1), Dh = q.size(2), S = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t longest = 0;
+  TORCH_CHECK(off[0] == 0 && off[S] == N, "offsets must run from 0 to N = ", N);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(off[s + 1] >= off[s], "offsets must be non-decreasing");
+    longest = std::max(longest, off[s + 1] - off[s]);
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(Dh));
+  at::Tensor out = at::empty({N, H, Dh}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, S * H, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> kt(Dh * longest), scores(kQueryBlock * longest);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t s = w / H, h = w % H, first = off[s], T = off[s + 1] - first;
+      if (T == 0) continue;
+      attend_head(qd + first * q.stride(0) + h * q.stride(1), q.stride(0), kd + first * k.stride(0) + h * k.stride(1),
+                  k.stride(0), vd + first * v.stride(0) + h * v.stride(1), v.stride(0), od + (first * H + h) * Dh,
+                  H * Dh, T, Dh, scale, nullptr, kt.data(), scores.data());
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return out;
 }
 
 std::vector<at::Tensor> causal_attention_backward(const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k,
@@ -732,6 +782,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   m.def("causal_attention_forward", &causal_attention_forward, "float32 q, k, v [B, H, T, Dh] -> (out, logsumexp)");
   m.def("causal_attention_backward", &causal_attention_backward, "(grad, q, k, v, out, lse) -> (dq, dk, dv)");
+  m.def("varlen_attention_forward", &varlen_attention_forward,
+        "float32 q, k, v [N, H, Dh], offsets [S + 1] -> causal attention within each sequence, [N, H, Dh]");
 #endif
   m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");

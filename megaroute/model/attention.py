@@ -271,8 +271,10 @@ class CausalSelfAttention(nn.Module):
         once into `n_buckets` padded buckets of sequences sorted by length (BucketLayout), RoPE and
         causal attention per bucket: the same torch calls whatever the batch size or the lengths.
         Without autograd (hard halting and causal MoD run at inference) the fused CPU kernels
-        (kernels/cpu.py) gather and rotate q, k, v straight into the buckets and gather the outputs
-        back in one pass each, instead of an index_select, RoPE, a cat and a second index_select.
+        (kernels/cpu.py) take over: in float32, RoPE on the N rows and attention per (sequence, head)
+        at its own length (`varlen_attention_forward`: no layout, no padding); in bf16, they gather
+        and rotate q, k, v straight into the buckets and gather the outputs back in one pass each,
+        instead of an index_select, RoPE, a cat and a second index_select.
         """
         N, H, Dh = x.shape[0], self.n_heads, self.head_dim
         if sum(lengths) != N or min(lengths, default=0) < 0:
@@ -283,15 +285,19 @@ class CausalSelfAttention(nn.Module):
             y = jagged_causal_attention(q, k, v, lengths)
         else:
             attend = causal_attention if self.fused else partial(F.scaled_dot_product_attention, is_causal=True)
-            layout = BucketLayout(lengths, n_buckets, x.device)
             no_grad = not (torch.is_grad_enabled() and qkv.requires_grad)
             kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
+            if kernels is not None:
+                cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
+            if kernels is not None and hasattr(kernels, "varlen_attention_forward") and qkv.dtype == torch.float32:
+                q, k, v = (t[0].transpose(0, 1) for t in kernels.rotary_qkv_forward(qkv.view(1, N, 3, H, Dh), cos, sin))
+                offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
+                return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))
+            layout = BucketLayout(lengths, n_buckets, x.device)
             if kernels is not None:  # inference: the padding gather + RoPE, and the unpadding, one pass each
-                cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2) for t in (cos, sin))
                 coords = layout.slot_coordinates()
                 qs, ks, vs = ([qkv.new_empty(n, H, kmax, Dh) for _, n, kmax in layout.buckets] for _ in range(3))
-                kernels.rotary_qkv_scatter(qkv.view(N, 3, H, Dh), cos.contiguous(), sin.contiguous(), layout.source,
-                                           *coords, qs, ks, vs)
+                kernels.rotary_qkv_scatter(qkv.view(N, 3, H, Dh), cos, sin, layout.source, *coords, qs, ks, vs)
                 ys = [attend(q, k, v) for q, k, v in zip(qs, ks, vs)]
                 y = kernels.gather_heads(ys, *(c.index_select(0, layout.slot) for c in coords))
                 return self.out(y.view(N, H * Dh))

@@ -10,7 +10,9 @@ The padded path (dispatch.mask_indices -> gather -> block.update -> combine) run
 B x max(count) rows. Here every matmul runs on the N rows; only attention's scores need a per-sequence
 layout. On CUDA (fp16/bf16/fp32) that is one varlen kernel over the flat rows (a jagged nested tensor
 into torch's flash / memory-efficient SDPA; tests/cuda/test_model_cuda.py holds it to the CPU path).
-On CPU, where torch 2.13 has no causal varlen kernel, the sequences are sorted by count into
+On CPU, where torch 2.13 has no causal varlen kernel, float32 inference runs megaroute's own
+(kernels/cpu.py varlen_attention_forward: each sequence and head at its own length, no padding).
+Otherwise (bf16, autograd, no kernels) the sequences are sorted by count into
 attention.VARLEN_BUCKETS groups, each padded to its longest, with a fixed number of torch calls
 whatever the batch (no per-sequence Python loop): padded scores are bounded by the bucketing, padded
 projections are gone. Padding rows repeat a real row and follow the real ones, so no real query

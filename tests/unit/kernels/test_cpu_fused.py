@@ -192,6 +192,7 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
         return call
 
     names = [n for n in dir(kernels) if n.endswith(("_forward", "_backward")) or n == "cross_entropy_rows"]
+    names.remove("varlen_attention_forward") if "varlen_attention_forward" in names else None  # inference only
     proxy = types.SimpleNamespace(**{n: counted(n) for n in names})
     monkeypatch.setattr(cpu, "load", lambda: proxy)
     fused = loss_and_grads()
@@ -227,6 +228,70 @@ def test_varlen_attention_kernels_match_the_eager_buckets(kernels, monkeypatch, 
             eager = attn.forward_varlen(x, pos.cos, pos.sin, lengths, n_buckets=n_buckets)
         monkeypatch.undo()
         _same(fused, eager, exact=dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("lengths", [[4, 0, 11, 1, 7, 130, 64, 65], [0, 5, 0], [3], [0, 0]])
+def test_float32_varlen_attention_matches_each_sequence_alone(kernels, lengths):
+    """Causal attention within each sequence of rows laid end to end, against SDPA on each sequence
+    alone: empty sequences, one token, query blocks of 64 with partial last ones; q, k and v read with
+    their own row and head strides."""
+    if not hasattr(kernels, "varlen_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    N, H, Dh = sum(lengths), 3, 32
+    q = torch.randn(H, N, Dh).transpose(0, 1)  # [N, H, Dh], heads N * Dh apart (the rotary kernel's layout)
+    k = torch.randn(N, H, Dh)
+    v = torch.randn(N, 3, H, Dh)[:, 2]  # a slice of packed qkv rows
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = kernels.varlen_attention_forward(q, k, v, offsets)
+    assert out.shape == (N, H, Dh) and out.is_contiguous()
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, n, Dh]
+        ref = F.scaled_dot_product_attention(*one, is_causal=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_varlen_attention_refuses_bad_offsets_and_layouts(kernels):
+    if not hasattr(kernels, "varlen_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    q = torch.randn(6, 2, 8)
+    for offsets, message in (([0, 4], "from 0 to N"), ([1, 6], "from 0 to N"), ([0, 4, 2, 6], "non-decreasing")):
+        with pytest.raises(RuntimeError, match=message):
+            kernels.varlen_attention_forward(q, q, q, torch.tensor(offsets))
+    with pytest.raises(RuntimeError, match="offsets must be"):
+        kernels.varlen_attention_forward(q, q, q, torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="Dh contiguous"):
+        kernels.varlen_attention_forward(q, q, q.transpose(1, 2).contiguous().transpose(1, 2), torch.tensor([0, 6]))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.varlen_attention_forward(q, q, q.bfloat16(), torch.tensor([0, 6]))
+
+
+def test_float32_forward_varlen_runs_the_varlen_kernel_and_matches_the_eager_buckets(kernels, monkeypatch):
+    """forward_varlen in float32 without autograd: RoPE on the rows and the varlen kernel (no bucket
+    layout is built) give the eager bucket path's output."""
+    if not hasattr(kernels, "varlen_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    import megaroute.model.attention as attention
+
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(48, 6)
+    rope = RotaryEmbedding(8, 160)
+    lengths = [4, 0, 11, 1, 7, 130, 29]
+    x = torch.randn(sum(lengths), 48)
+    positions = torch.cat([torch.randperm(150)[:n].sort().values for n in lengths])
+    pos = Positions(rope, positions.unsqueeze(1))
+    calls = []
+    monkeypatch.setattr(cpu, "load", lambda: types.SimpleNamespace(
+        rotary_qkv_forward=kernels.rotary_qkv_forward,
+        varlen_attention_forward=lambda *a: calls.append(1) or kernels.varlen_attention_forward(*a)))
+    monkeypatch.setattr(attention, "BucketLayout", None)  # never built on this path
+    with torch.no_grad():
+        fused = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
+    assert calls == [1]
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "usable", lambda *tensors, **options: None)
+    with torch.no_grad():
+        eager = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("B,H,T,Dh", [(2, 3, 70, 32), (1, 2, 5, 16), (2, 4, 130, 100), (1, 1, 1, 8), (2, 2, 0, 8),
