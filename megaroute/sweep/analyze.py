@@ -4,8 +4,10 @@ For each (variant, budget) the final validation losses are fit with a parabola i
 x = log10(N) (Chinchilla's approach 2); its vertex is the loss-optimal size N* and loss L*.
 When the vertex is not a minimum inside the measured sizes, or there are fewer than three
 sizes, the best measured point is reported instead (`fit` says which, `note` why): that is a
-grid point, not an optimum. With several seeds, seeds are resampled per size (bootstrap) and
-the fit repeated, giving a 90% interval.
+grid point, not an optimum. With at least MIN_BOOTSTRAP_SEEDS seeds at every size, seeds are
+resampled per size (bootstrap) and the fit repeated, giving a 90% interval; with fewer there is
+none (a percentile bootstrap over two seeds never leaves their range: it would claim a precision
+the runs do not have), and the table says how many seeds there were.
 
 The compute-optimal frontier is the least-squares line log10 N* = a log10 C + b per variant,
 through interior minima only (a grid-edge "best measured" N* would pin the exponent to the
@@ -29,6 +31,7 @@ import numpy as np
 from ..audit.analysis import t_interval
 
 BOOTSTRAP_SAMPLES = 1000
+MIN_BOOTSTRAP_SEEDS = 3
 PARABOLA, BEST_MEASURED = "parabola", "best measured"
 DIFF_CONFIDENCE = 0.95
 
@@ -45,6 +48,7 @@ class OptimumFit:
     loss_interval: Optional[tuple[float, float]] = None
     points: int = 0
     note: str = ""              # why a fit is "best measured"
+    seeds: int = 1              # the fewest seeds at any size (intervals need MIN_BOOTSTRAP_SEEDS)
 
     @property
     def interior(self) -> bool:
@@ -102,12 +106,11 @@ def isoflop_fits(rows: Sequence[tuple[str, float, int, int, float]]) -> list[Opt
     for (variant, budget), by_size in sorted(groups.items()):
         params = sorted(by_size)
         n, loss, how, coeffs = fit_optimum(params, [float(np.mean(by_size[p])) for p in params])
-        n_iv = l_iv = None
-        if any(len(v) > 1 for v in by_size.values()):
-            n_iv, l_iv = bootstrap(by_size)
+        seeds = min(len(v) for v in by_size.values())
+        n_iv, l_iv = bootstrap(by_size) if seeds >= MIN_BOOTSTRAP_SEEDS else (None, None)
         fits.append(OptimumFit(variant, budget, n, loss, how, coeffs, n_iv, l_iv,
                                sum(len(v) for v in by_size.values()),
-                               "" if how == PARABOLA else why_not_interior(params, coeffs)))
+                               "" if how == PARABOLA else why_not_interior(params, coeffs), seeds))
     return fits
 
 
@@ -249,14 +252,16 @@ def difference_rows(diffs: Sequence[Difference]) -> list[dict[str, str]]:
 
 # ---- reports ----
 
-def _interval(iv: Optional[tuple[float, float]], fmt: str) -> str:
-    return "" if iv is None else f"[{iv[0]:{fmt}}, {iv[1]:{fmt}}]"
+def _interval(iv: Optional[tuple[float, float]], fmt: str, seeds: int) -> str:
+    if iv is None:
+        return f"{seeds} seed{'s' if seeds != 1 else ''} at a size: no interval"
+    return f"[{iv[0]:{fmt}}, {iv[1]:{fmt}}]"
 
 
 def table_rows(fits: Sequence[OptimumFit]) -> list[dict[str, str]]:
     return [{"variant": f.variant, "budget": f"{f.budget:.3g}", "n_opt": f"{f.n_opt:.4g}",
-             "n_opt_90ci": _interval(f.n_interval, ".4g"), "loss_opt": f"{f.loss_opt:.4f}",
-             "loss_opt_90ci": _interval(f.loss_interval, ".4f"),
+             "n_opt_90ci": _interval(f.n_interval, ".4g", f.seeds), "loss_opt": f"{f.loss_opt:.4f}",
+             "loss_opt_90ci": _interval(f.loss_interval, ".4f", f.seeds),
              "fit": f.fit + (f" ({f.note})" if f.note else ""), "runs": str(f.points)} for f in fits]
 
 
@@ -285,6 +290,9 @@ def markdown(sweep: str, fits: Sequence[OptimumFit], fronts: Sequence[Frontier],
              f"Loss: final {loss} of each run.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.values()) + " |" for r in rows]
+    lines += ["", f"90% CIs: seeds resampled at each size (bootstrap) and the parabola refitted; only with at "
+              f"least {MIN_BOOTSTRAP_SEEDS} seeds at every size (fewer: the cell gives the fewest seeds at a "
+              "size, and no interval)."]
     if any(not f.interior for f in fits):
         lines += ["", "`best measured` rows are grid points, not optima: the true optimum lies outside the sizes "
                   "(or could not be fitted); they are left out of the frontier."]

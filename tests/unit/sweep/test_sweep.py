@@ -136,6 +136,25 @@ def test_bootstrap_interval_across_seeds_brackets_the_fit_and_widens_with_noise(
     assert 1e8 < small.n_opt < 1e9 and small.loss_interval[0] < 2.5 + 0.02
 
 
+def test_no_bootstrap_interval_under_three_seeds_at_a_size():
+    """A percentile bootstrap over two seeds never leaves their range: it would claim a precision the
+    runs do not have. Under MIN_BOOTSTRAP_SEEDS at any size there is no interval, and the table says why."""
+    params = [1e8, 2e8, 4e8, 8e8]
+    rng = np.random.default_rng(0)
+    rows = [("dense", 1e19, int(p), seed, loss + rng.normal(0, 0.02))
+            for seed in range(3) for p, loss in zip(params, _parabola_losses(params, 3e8, 2.5))]
+    (three,) = A.isoflop_fits(rows)
+    (two,) = A.isoflop_fits([r for r in rows if r[3] < 2])
+    (uneven,) = A.isoflop_fits([r for r in rows if r[3] < 2 or r[2] != int(4e8)])  # 2 seeds at one size
+    assert three.seeds == 3 and three.n_interval is not None and three.loss_interval is not None
+    for f in (two, uneven):
+        assert f.seeds == 2 and f.n_interval is None and f.loss_interval is None
+    row = A.table_rows([two])[0]
+    assert row["n_opt_90ci"] == row["loss_opt_90ci"] == "2 seeds at a size: no interval"
+    assert A.table_rows([A.isoflop_fits([r for r in rows if r[3] == 0])[0]])[0]["n_opt_90ci"].startswith("1 seed ")
+    assert "at least 3 seeds at every size" in A.markdown("s", [two], [], [])
+
+
 def test_frontier_recovers_the_scaling_exponent():
     params = np.geomspace(1e7, 1e10, 9)
     rows = []
