@@ -40,6 +40,7 @@ from tqdm import tqdm
 from ..argtypes import positive_float
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
+from ..model.routing import method_spec
 from ..paths import dir_problem
 from .adapter import StateDictAdapter
 from .bundle import BundleError, bundle_sources
@@ -177,8 +178,16 @@ def _write_llama_config(src: CheckpointSource, out: str, tokenizer, dtype: torch
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
 
 
-def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False, routing_mode: str = "causal",
-            dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
+def honest_routing_mode(method: str) -> str:
+    """The routing mode of a method's eval/loss (MethodSpec.honest_mode): each token routed from its own
+    past at the compute the method spends, "causal", or "hard" for halting gates (whose "causal" forward
+    is the soft one: every token runs every block). Dense has no routing: "causal"."""
+    mode = method_spec(method).honest_mode
+    return "causal" if mode == "topk" else mode
+
+
+def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False,
+            routing_mode: Optional[str] = None, dtype: Optional[str] = None, tokenizer: Optional[str] = None, config: Optional[str] = None,
             max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True, format: str = "auto",
             skip_verify: bool = False) -> str:
     """Converts one checkpoint; returns the output directory. format: "auto" (dense -> "llama", routed ->
@@ -187,7 +196,7 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
     the checkpoint's config_hash against the config; skip_verify skips both (with a warning on stderr)."""
     out = os.path.abspath(out)
     _check_output(out, force)
-    if routing_mode not in ROUTING_MODES:
+    if routing_mode is not None and routing_mode not in ROUTING_MODES:
         raise ConversionError(f"--routing-mode must be one of {ROUTING_MODES}, got {routing_mode!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -200,8 +209,14 @@ def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = Fal
         raise ConversionError(f"--format llama needs a dense model (routing.method none); {src.tag_dir} uses "
                               f"routing.method {src.config.routing.method!r}: use --format megaroute")
     llama = format == "llama" or (format == "auto" and dense)
+    honest = honest_routing_mode(src.config.routing.method)
+    routing_mode = routing_mode or honest
     if routing_mode == "topk" and not dense:
         print(f"WARNING: --routing-mode topk: {TOPK_WARNING}", file=sys.stderr, flush=True)
+    elif routing_mode != honest and not dense:
+        print(f"WARNING: --routing-mode {routing_mode}: routing.method {src.config.routing.method!r} reports its "
+              f"eval/loss in {honest!r} mode; this export's log-likelihoods are of another forward (for halting "
+              "gates, 'causal' is the soft one: every token runs every block)", file=sys.stderr, flush=True)
     if skip_verify:
         print(f"WARNING: --skip-verify: the sha256 of {src.tag_dir}'s files and its config_hash are NOT checked; "
               "a damaged or foreign checkpoint converts into a plausible but wrong model", file=sys.stderr, flush=True)
@@ -264,8 +279,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", help="Hugging Face model directory to create")
     p.add_argument("--tag", help="checkpoint tag, e.g. step_00001000 (default: `latest`)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
-    p.add_argument("--routing-mode", default="causal", choices=["causal", "hard", "topk"],
-                   help="routing of routed layers in the HF model (default causal: no future information)")
+    p.add_argument("--routing-mode", default=None, choices=ROUTING_MODES,
+                   help="routing of routed layers in the HF model (default: the mode of the run's eval/loss, each "
+                        "token routed from its own past at the compute the method spends: causal; hard for halting "
+                        "gates); topk sees future tokens")
     p.add_argument("--format", default="auto", choices=FORMATS,
                    help="auto (default): dense models (routing.method none) as a native LlamaForCausalLM (no "
                         "remote code), routed ones as megaroute remote code; llama or megaroute force one")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megaroute.data.tokenizers import CharTokenizer
-from megaroute.hf.convert import convert
+from megaroute.hf.convert import convert, honest_routing_mode
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
 
@@ -93,7 +93,8 @@ def test_converted_models_in_a_fresh_venv_without_megaroute(tmp_path, make_model
         write_checkpoint(model, cfg, str(tmp_path / "runs" / method), tok.hash, step=3)
         models[method] = convert(str(tmp_path / "runs" / method), str(tmp_path / "hf" / method),
                                  tokenizer=str(tok_path), progress=False)
-        ours[method] = model.eval()(tokens, options=ForwardOptions(mode="causal")).logits
+        # the export's default: the mode of eval/loss (hard for halting, whose causal forward is the soft one)
+        ours[method] = model.eval()(tokens, options=ForwardOptions(mode=honest_routing_mode(method))).logits
         names = os.listdir(models[method])
         assert (method == "none") == (not [n for n in names if n.endswith(".py")]), names
     torch.save(tokens, tmp_path / "tokens.pt")

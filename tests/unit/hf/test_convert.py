@@ -74,12 +74,13 @@ def test_converted_logits_equal_megaroute_every_variant(make_run, tmp_path, char
     out = _convert(run, tmp_path / "hf", char_tok, format="megaroute")  # dense too: the remote-code export
     hf = _load(out)
     x = torch.randint(0, 60, (2, 40))
+    honest = "hard" if method == "halting" else "causal"  # the mode of eval/loss: halting's causal one is soft
     torch.manual_seed(1)  # the random baseline draws its causal choices
-    ours = model(x, options=ForwardOptions(mode="causal")).logits
+    ours = model(x, options=ForwardOptions(mode=honest)).logits
     torch.manual_seed(1)
     theirs = hf(x).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
-    assert hf.config.routing_mode == "causal"
+    assert hf.config.routing_mode == honest
 
 
 @torch.no_grad()
@@ -92,6 +93,21 @@ def test_topk_mode_is_selectable(make_run, tmp_path, char_tok, capsys):
     x = torch.randint(0, 60, (1, 32))
     torch.testing.assert_close(hf(x).logits, model(x, options=ForwardOptions(mode="topk")).logits, atol=1e-4, rtol=0)
     assert not torch.allclose(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
+
+
+@torch.no_grad()
+def test_halting_exports_its_hard_forward_and_warns_for_the_soft_one(make_run, tmp_path, char_tok, capsys):
+    """A halting run's eval/loss is the hard forward (tokens below tau skip their blocks); the default
+    export is that forward. --routing-mode causal (the soft forward: every token runs every block) warns."""
+    run, model, _ = make_run("routing.method=halting")
+    x = torch.randint(0, 60, (1, 32))
+    hard = model(x, options=ForwardOptions(mode="hard")).logits
+    assert not torch.allclose(hard, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-4)
+    hf = _load(_convert(run, tmp_path / "default", char_tok))
+    torch.testing.assert_close(hf(x).logits, hard, atol=1e-4, rtol=0)
+    assert "WARNING" not in capsys.readouterr().err
+    _convert(run, tmp_path / "soft", char_tok, routing_mode="causal")
+    assert "reports its eval/loss in 'hard' mode" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["mod", "depth_gate", "moe"])
