@@ -149,7 +149,7 @@ def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path
         assert together[row, -12:].tolist() == alone[0, -12:].tolist(), row
 
 
-@pytest.mark.parametrize("method", ["none", "mod"])
+@pytest.mark.parametrize("method", ["none", "mod", "halting"])  # halting: its hard export
 @torch.no_grad()
 def test_generate_with_cache_equals_without(make_run, tmp_path, char_tok, method):
     run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", seed=3)
