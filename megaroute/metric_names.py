@@ -45,6 +45,22 @@ TOPK_LOSS = "val/loss_topk"
 
 # What tables print beside the loss they report.
 LOSS_LABEL = "eval/loss (autoregressive: causal routing, no future tokens)"
+TRAIN_LOSS = "train/loss"
+# Losses that are not autoregressive for routed runs, with what makes them so (plots and tables print it).
+CAVEATS = {
+    TRAIN_LOSS: "the training forward: routed runs route by sequence-wide top-k (sees future tokens) or "
+                "soft gates; not comparable across methods",
+    TOPK_LOSS: "top-k routing as in training: sees future tokens; not comparable",
+    "val/loss_soft": "halting's soft forward: every token runs every block (full compute), not the hard skip",
+}
+
+
+def metric_label(key: str) -> str:
+    """A metric's name as plots title it: eval/loss with LOSS_LABEL's gloss, a loss that is not
+    autoregressive for routed runs with its caveat, anything else as is."""
+    if key == LOSS:
+        return LOSS_LABEL
+    return f"{key} ({CAVEATS[key]})" if key in CAVEATS else key
 
 # Per-step routing stats of a routed layer (see the module docstring).
 ROUTING = "routing"

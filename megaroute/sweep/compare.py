@@ -15,6 +15,7 @@ logged rate. `--x step` plots against the optimizer step instead.
 from __future__ import annotations
 
 import os
+import textwrap
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     out = out_file(args.out)  # before reading MLflow: a bad --out is refused first
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri("runs")
-    metrics = args.metric or ["train/loss", names.LOSS]
+    metrics = args.metric or [names.TRAIN_LOSS, names.LOSS]
     runs = find_runs(uri, args.experiment, args.runs)
     curves = {(run_id, key): metric_history(uri, run_id, key) for run_id, _ in runs for key in metrics}
     x = getattr(args, "x", "flops")
@@ -59,6 +60,9 @@ def run(args) -> int:
     for run_id, name in runs:
         finals = "  ".join(f"{k}={curves[run_id, k][-1][1]:.4f}" for k in metrics if curves[run_id, k])
         print(f"{name} ({run_id}): {finals or 'no values for ' + ', '.join(metrics)}")
+    for key in metrics:
+        if key in names.CAVEATS:
+            print(f"{key}: {names.CAVEATS[key]}")
     print(out)
     return 0
 
@@ -94,7 +98,8 @@ def plot(path: str, runs: list[tuple[str, str]], metrics: list[str], curves: dic
             pts = curves[run_id, key]
             if pts:
                 ax.plot(*zip(*pts), marker="." if len(pts) < 20 else None, label=name)
-        ax.set(xlabel=xlabel, ylabel=key, title=key)
+        ax.set(xlabel=xlabel, ylabel=key)
+        ax.set_title(textwrap.fill(names.metric_label(key), 60), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)

@@ -42,6 +42,17 @@ def test_compare_plots_against_flops_by_default_and_step_on_request(tmp_path, mo
     assert seen["curves"][ids["small"], "train/loss"][0] == (10e9, pytest.approx(3.9))
     assert main(base + ["--x", "step"]) == 0
     assert seen["xlabel"] == "optimizer step" and [s for s, _ in seen["curves"][ids["big"], "eval/loss"]] == [15, 30]
+    # train/loss is the training forward's: routed runs' top-k sees the future, and the output says so
+    assert "train/loss: the training forward" in capsys.readouterr().out
+
+
+def test_losses_that_are_not_autoregressive_carry_their_caveat_in_titles():
+    from megaroute import metric_names as names
+
+    assert names.metric_label("eval/loss") == names.LOSS_LABEL
+    assert "sees future tokens" in names.metric_label("val/loss_topk")
+    assert "sees future tokens" in names.metric_label("train/loss")
+    assert names.metric_label("perf/mfu") == "perf/mfu"
 
 
 def test_compare_on_flops_refuses_runs_without_flops_history(tmp_path, capsys):
