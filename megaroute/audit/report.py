@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from typing import Iterable, Optional
 
 import torch
@@ -479,10 +480,12 @@ def write_report(result: dict, out_dir: str, decode=None) -> list[str]:
         return _write_text(result, out_dir, written, decode)
 
     losses = result["losses"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(list(losses), list(losses.values()), color="tab:blue")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([textwrap.fill(routing_label(k, result["mode"]), 16) for k in losses], list(losses.values()),
+           color="tab:blue")
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("validation loss")
-    ax.set_title("learned routing vs counterfactual masks")
+    ax.set_title(f"learned routing ({result['mode']} mode) vs counterfactual masks")
     ax.set_ylim(min(losses.values()) * 0.95, max(losses.values()) * 1.02)
     save(fig, "counterfactuals.png")
 
@@ -499,7 +502,8 @@ def write_report(result: dict, out_dir: str, decode=None) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key in ("learned", "dense"):
         if bins and key in bins[0]:
-            ax.plot([b["bin"] for b in bins], [b[key] for b in bins], marker="o", label=key)
+            ax.plot([b["bin"] for b in bins], [b[key] for b in bins], marker="o",
+                    label=routing_label(key, result["mode"]))
     ax.set_xlabel("reference-entropy quantile bin (low -> high)")
     ax.set_ylabel("loss")
     ax.legend()
@@ -539,16 +543,23 @@ def _write_text(result: dict, out_dir: str, written: list[str], decode=None) -> 
     return written
 
 
+def routing_label(key: str, mode: str = "topk") -> str:
+    """How the audit's tables and plots name a loss: the learned decisions with the mode they ran in
+    (top-k sees future tokens), causal as eval/loss runs it, dense as the reference's."""
+    if key == "learned":
+        return "learned (training-mode top-k: sees future tokens)" if mode == "topk" else f"learned ({mode} mode)"
+    return {"causal": "causal (as eval/loss)", "dense": "dense (reference)"}.get(key, key)
+
+
 def _markdown(r: dict, decode=None) -> str:
     if "correlation" not in r:  # experts only (moe)
         lines = [f"# Routing audit ({r['method']}, {r['tokens']:,} tokens)", "",
                  "| routing | val loss |", "|---|---|"]
-        label = {"learned": "learned (training-mode top-k)", "causal": "causal (as eval/loss)", "dense": "reference"}
-        lines += [f"| {label.get(k, k)} | {v:.4f} |" for k, v in r["losses"].items()]
+        lines += [f"| {routing_label(k)} | {v:.4f} |" for k, v in r["losses"].items()]
         return "\n".join(lines + _expert_markdown(r["experts"], decode) + ["", "Plot: expert_load.png", ""])
     lines = [f"# Routing audit ({r['method']}, decisions in {r['mode']} mode, {r['tokens']:,} tokens)", "",
              "## Counterfactual routing", "", "| routing | val loss |", "|---|---|"]
-    lines += [f"| {k} | {v:.4f} |" for k, v in r["losses"].items()]
+    lines += [f"| {routing_label(k, r['mode'])} | {v:.4f} |" for k, v in r["losses"].items()]
     lines += ["", "Density (fraction executing) per layer: "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["density"].items()), "",
               "## Cross-layer routing", "", "| layer i | layer j | correlation | P(out j given out i) |", "|---|---|---|---|"]
@@ -559,7 +570,8 @@ def _markdown(r: dict, decode=None) -> str:
     bins = r["stratified"]["bins"]
     keys = [k for k in ("learned", "dense") if bins and k in bins[0]]
     lines += ["", "## Loss by reference-entropy quantile", "",
-              "| bin | entropy range | tokens | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+              "| bin | entropy range | tokens | " + " | ".join(routing_label(k, r["mode"]) for k in keys) + " |",
+              "|---|---|---|" + "---|" * len(keys)]
     lines += [f"| {b['bin']} | {b['strata_min']:.2f}-{b['strata_max']:.2f} | {b['count']} | "
               + " | ".join(f"{b[k]:.4f}" for k in keys) + " |" for b in bins]
     a = r["agreement"]
