@@ -14,7 +14,8 @@ from ..paths import check_out_dir
 from ..sweep.mlflow_runs import require_store
 from ..train.tracking import config_uri
 from .report import (audit_model, batches_for, check_data, check_reference, check_tokenizer, checkpoint_config,
-                     find_config, is_hf_dir, load_run_model, log_to_mlflow, seed_report, write_report)
+                     find_config, is_hf_dir, load_run_model, log_to_mlflow, routing_label, seed_report,
+                     write_report)
 
 
 def add_parser(sub) -> None:
@@ -75,7 +76,8 @@ def run(args) -> int:
     paths = write_report(result, out, decode=tokenizer.decode)
     if args.run_id:
         log_to_mlflow(uri, args.run_id, paths)
-    losses = ", ".join(f"{k} {v:.4f}" for k, v in result["losses"].items())
+    losses = ", ".join(f"{routing_label(k, result['mode'], 'correlation' in result)} {v:.4f}"
+                       for k, v in result["losses"].items())
     print(f"audit of {args.checkpoint} ({result['tokens']:,} tokens, {result['seconds']:.1f} s): {losses}")
     if seeds is not None and seeds["left_out"]:
         print(f"seed report: {len(seeds['left_out'])} run(s) left out of the pool (not FINISHED, no "

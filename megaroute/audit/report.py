@@ -543,11 +543,14 @@ def _write_text(result: dict, out_dir: str, written: list[str], decode=None) -> 
     return written
 
 
-def routing_label(key: str, mode: str = "topk") -> str:
+def routing_label(key: str, mode: str = "topk", decisions: bool = True) -> str:
     """How the audit's tables and plots name a loss: the learned decisions with the mode they ran in
-    (top-k sees future tokens), causal as eval/loss runs it, dense as the reference's."""
+    (per-layer top-k decisions see future tokens; `decisions` False: a model with experts only, whose
+    token-choice routing does not), causal as eval/loss runs it, dense as the reference's."""
     if key == "learned":
-        return "learned (training-mode top-k: sees future tokens)" if mode == "topk" else f"learned ({mode} mode)"
+        if mode != "topk":
+            return f"learned ({mode} mode)"
+        return "learned (training-mode top-k: sees future tokens)" if decisions else "learned (training-mode top-k)"
     return {"causal": "causal (as eval/loss)", "dense": "dense (reference)"}.get(key, key)
 
 
@@ -555,7 +558,7 @@ def _markdown(r: dict, decode=None) -> str:
     if "correlation" not in r:  # experts only (moe)
         lines = [f"# Routing audit ({r['method']}, {r['tokens']:,} tokens)", "",
                  "| routing | val loss |", "|---|---|"]
-        lines += [f"| {routing_label(k)} | {v:.4f} |" for k, v in r["losses"].items()]
+        lines += [f"| {routing_label(k, decisions=False)} | {v:.4f} |" for k, v in r["losses"].items()]
         return "\n".join(lines + _expert_markdown(r["experts"], decode) + ["", "Plot: expert_load.png", ""])
     lines = [f"# Routing audit ({r['method']}, decisions in {r['mode']} mode, {r['tokens']:,} tokens)", "",
              "## Counterfactual routing", "", "| routing | val loss |", "|---|---|"]
