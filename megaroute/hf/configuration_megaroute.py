@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 ROUTING_MODES = ("causal", "hard", "topk")
 TOPK_WARNING = ("routing_mode 'topk': routed layers choose their tokens by top-k over the whole sequence, which "
                 "sees future tokens; log-likelihoods (lm-eval) and generations of this model are not "
-                "autoregressive. routing_mode 'causal' (the default) is the honest one.")
+                "autoregressive. The default, the mode of the run's eval/loss (causal; hard for halting), is honest.")
 
 
 class MegarouteConfig(PretrainedConfig):

@@ -289,10 +289,11 @@ class CausalSelfAttention(nn.Module):
             kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
             if kernels is not None:
                 cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
-            if kernels is not None and hasattr(kernels, "varlen_attention_forward") and qkv.dtype == torch.float32:
-                q, k, v = (t[0].transpose(0, 1) for t in kernels.rotary_qkv_forward(qkv.view(1, N, 3, H, Dh), cos, sin))
-                offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
-                return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))
+                if qkv.dtype == torch.float32 and hasattr(kernels, "varlen_attention_forward"):
+                    q, k, v = (t[0].transpose(0, 1)
+                               for t in kernels.rotary_qkv_forward(qkv.view(1, N, 3, H, Dh), cos, sin))
+                    offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
+                    return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))
             layout = BucketLayout(lengths, n_buckets, x.device)
             if kernels is not None:  # inference: the padding gather + RoPE, and the unpadding, one pass each
                 coords = layout.slot_coordinates()
