@@ -33,7 +33,7 @@ from ..data.tokenizers import load_tokenizer
 from ..hf.llama import megaroute_state_dict, model_config_from_llama
 from ..hf.configuration_megaroute import MegarouteConfig
 from ..hf.modeling_megaroute import megaroute_sections
-from ..hf.reader import ConversionError, full_state_dict, locate
+from ..hf.reader import ConversionError, client_state, full_state_dict, locate
 from ..model import ForwardOptions, build_model
 from ..model.routing import METHODS, method_spec
 from ..train.checkpoint import CheckpointError, resolve_checkpoint
@@ -115,10 +115,18 @@ def _hf_json(path: str) -> dict:
 
 def trained_tokenizer_hash(path: str, cfg: Config) -> Optional[str]:
     """sha256 of the tokenizer a checkpoint was trained with, where that is known without loading weights:
-    an export's config.json records it, a run's prepared data directory (data.output_dir) holds it.
-    None when neither is there (an export of an older version, a run whose data has been removed)."""
+    an export's config.json records it; a run's checkpoint records it in its client state (read
+    memory-mapped: the weights' pages are not read), and a checkpoint saved without one falls back to
+    the tokenizer in the run's prepared data directory (data.output_dir, which may have been re-prepared
+    since). None when none of these is there (an export of an older version, a run whose data is gone)."""
     if is_hf_dir(path):
         return (_hf_json(path).get("megaroute_source") or {}).get("tokenizer_sha256")
+    try:
+        recorded = client_state(locate(path)).get("tokenizer_hash")
+    except ConversionError as e:
+        raise ConfigError("", str(e)) from None
+    if recorded is not None:
+        return recorded
     try:
         return load_tokenizer(cfg.data.output_dir).hash
     except DataError:

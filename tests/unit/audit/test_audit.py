@@ -168,6 +168,7 @@ def test_audit_refuses_a_reference_that_is_routed_or_of_another_vocabulary_token
     its entropy stratifies the audit, so a routed model (whose forward is top-k: it sees the future),
     another vocabulary or tokenizer, or a shorter context would give numbers under a wrong label."""
     from megaroute.cli import main
+    from megaroute.data.tokenizers import load_tokenizer
     from megaroute.hf.convert import convert
     from megaroute.hf.synthetic import write_checkpoint
 
@@ -175,19 +176,23 @@ def test_audit_refuses_a_reference_that_is_routed_or_of_another_vocabulary_token
     other = _prepared(tmp_path / "b", "".join(f"LINE {i}: THE LAZY DOG\n" for i in range(2000)))
     runs = tmp_path / "runs"
 
-    def run(name: str, *overrides: str) -> str:
+    def run(name: str, *overrides: str, tokenizer_hash: str | None = None) -> str:
         model, cfg = make_model(f"name={name}", f"data.output_dir={data}", *overrides)
-        write_checkpoint(model, cfg, str(runs / name))
+        write_checkpoint(model, cfg, str(runs / name), tokenizer_hash)
         return str(runs / name)
 
     audited = run("mod", "routing.method=mod")
     refs = {"routed": run("routed", "routing.method=mod"), "vocab": run("vocab", "model.vocab_size=101"),
             "short": run("short", "model.max_seq_len=16", "data.seq_len=16"), "dense": run("dense"),
-            "tokenizer": run("tokenizer", f"data.output_dir={other}")}
+            "tokenizer": run("tokenizer", f"data.output_dir={other}"),
+            # trained on `other`'s tokenizer, its data directory re-prepared with `data`'s since: the
+            # hash the checkpoint recorded decides, not the directory's current tokenizer
+            "recorded": run("recorded", tokenizer_hash=load_tokenizer(other).hash)}
     refs["hf_tokenizer"] = convert(refs["tokenizer"], str(tmp_path / "hf_tokenizer"), progress=False)
     expected = {"routed": "routing.method is 'mod'", "vocab": "model.vocab_size 101 differs",
                 "short": "model.max_seq_len 16 is shorter", "tokenizer": "was trained with tokenizer",
-                "hf_tokenizer": "was trained with tokenizer", "gone": "no such file or directory"}
+                "hf_tokenizer": "was trained with tokenizer", "recorded": "was trained with tokenizer",
+                "gone": "no such file or directory"}
     refs["gone"] = str(tmp_path / "gone")
     for name, message in expected.items():
         out = tmp_path / f"report_{name}"
@@ -196,8 +201,9 @@ def test_audit_refuses_a_reference_that_is_routed_or_of_another_vocabulary_token
         assert rc == 2 and f"--reference {refs[name]}" in err and message in err, (name, err)
         assert not out.exists()
     # the audited checkpoint's own tokenizer against --data-dir's
-    rc = main(["audit", refs["tokenizer"], "--data-dir", data, "--tokens", "64", "--out", str(tmp_path / "r")])
-    assert rc == 2 and "the audited checkpoint" in capsys.readouterr().err
+    for name in ("tokenizer", "recorded"):
+        rc = main(["audit", refs[name], "--data-dir", data, "--tokens", "64", "--out", str(tmp_path / "r")])
+        assert rc == 2 and "the audited checkpoint" in capsys.readouterr().err, name
     rc = main(["audit", audited, "--reference", refs["dense"], "--tokens", "64", "--out", str(tmp_path / "ok")])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "ok" / "audit.json").is_file()
