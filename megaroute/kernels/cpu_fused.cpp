@@ -232,7 +232,7 @@ void rotary_kernel(T* rows_in, const Heads<T>& q, const Heads<T>& k, const Heads
         if (!backward) {
           rotate_head<T>(packed, q.at(b, hh, t), c, s, half);
           rotate_head<T>(packed + H * Dh, k.at(b, hh, t), c, s, half);
-          std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v.at(b, hh, t));
+          if (v.at(b, hh, t) != packed + 2 * H * Dh) std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v.at(b, hh, t));
         } else {
           rotate_head<T>(q.at(b, hh, t), packed, c, s, half);
           rotate_head<T>(k.at(b, hh, t), packed + H * Dh, c, s, half);
@@ -261,6 +261,26 @@ std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tens
                      B, S, H, Dh, false);
   });
   return {q, k, v};
+}
+
+// Inference (no autograd): q and k rotated in place in qkv [B, T, 3, H, Dh]; the caller reads q, k and v
+// as views of it. No q, k, v buffers, no copy of v. rotate_head reads each element pair before writing it.
+void rotary_qkv_inplace(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+  check_cpu(qkv, "qkv");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, "qkv must be [B, T, 3, H, Dh]");
+  const int64_t B = qkv.size(0), S = qkv.size(1), H = qkv.size(3), Dh = qkv.size(4);
+  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == B * S * (Dh / 2) && sin.numel() == cos.numel(),
+              "cos and sin must hold [B, T, Dh / 2] values");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be in qkv's dtype");
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const auto heads = [&](int64_t i) { return Heads<T>(qkv.select(2, i).permute({0, 2, 1, 3})); };
+    rotary_kernel<T>(qkv.data_ptr<T>(), heads(0), heads(1), heads(2), cos.data_ptr<T>(), sin.data_ptr<T>(), B, S, H,
+                     Dh, false);
+  });
 }
 
 // dq, dk, dv: any strides with Dh contiguous (SDPA's CPU backward returns them [B, T, H, Dh]-strided).
@@ -776,6 +796,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_forward", &swiglu_forward, "gate_up [..., 2h] -> (silu(gate), silu(gate) * up)");
   m.def("swiglu_backward", &swiglu_backward, "(grad, gate_up, act) -> grad of gate_up");
   m.def("rotary_qkv_forward", &rotary_qkv_forward, "qkv [B, T, 3, H, Dh], cos, sin -> rotated q, k and v");
+  m.def("rotary_qkv_inplace", &rotary_qkv_inplace, "qkv [B, T, 3, H, Dh], cos, sin: q and k rotated in place");
   m.def("rotary_qkv_backward", &rotary_qkv_backward, "(dq, dk, dv, cos, -sin) -> grad of qkv");
   m.def("rotary_qkv_scatter", &rotary_qkv_scatter, "varlen: qkv rows -> rotated q, k, v in padded buckets");
   m.def("gather_heads", &gather_heads, "varlen: padded bucket outputs -> [N, H, Dh] rows");

@@ -271,8 +271,9 @@ class CausalSelfAttention(nn.Module):
         once into `n_buckets` padded buckets of sequences sorted by length (BucketLayout), RoPE and
         causal attention per bucket: the same torch calls whatever the batch size or the lengths.
         Without autograd (hard halting and causal MoD run at inference) the fused CPU kernels
-        (kernels/cpu.py) take over: in float32, RoPE on the N rows and attention per (sequence, head)
-        at its own length (`varlen_attention_forward`: no layout, no padding); in bf16, they gather
+        (kernels/cpu.py) take over: in float32, RoPE in place on the projected rows (q, k and v are
+        views of them: no copies) and attention per (sequence, head) at its own length
+        (`varlen_attention_forward`: no layout, no padding); in bf16, they gather
         and rotate q, k, v straight into the buckets and gather the outputs back in one pass each,
         instead of an index_select, RoPE, a cat and a second index_select.
         """
@@ -290,8 +291,8 @@ class CausalSelfAttention(nn.Module):
             if kernels is not None:
                 cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
                 if qkv.dtype == torch.float32 and hasattr(kernels, "varlen_attention_forward"):
-                    q, k, v = (t[0].transpose(0, 1)
-                               for t in kernels.rotary_qkv_forward(qkv.view(1, N, 3, H, Dh), cos, sin))
+                    kernels.rotary_qkv_inplace(qkv.view(1, N, 3, H, Dh), cos, sin)  # qkv: this call's own
+                    q, k, v = qkv.view(N, 3, H, Dh).unbind(1)
                     offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
                     return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))
             layout = BucketLayout(lengths, n_buckets, x.device)

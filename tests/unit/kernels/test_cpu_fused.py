@@ -81,6 +81,10 @@ def test_rotary_qkv_matches_eager_ops(kernels, dtype, B, T, H, Dh):
     ref[2].transpose(1, 2).copy_(qkv[:, :, 2])
     for a, b in zip(kernels.rotary_qkv_forward(qkv, cos, sin), ref):
         _same(a, b, exact=dtype == torch.bfloat16)
+    inplace = qkv.clone()  # inference: q and k rotated where they are, v untouched
+    kernels.rotary_qkv_inplace(inplace, cos, sin)
+    for i, b in enumerate(ref):
+        _same(inplace[:, :, i], b.transpose(1, 2), exact=dtype == torch.bfloat16 or i == 2)
     dq, dk, dv = (torch.randn(B, H, T, Dh).to(dtype) for _ in range(3))
     ref_grad = torch.empty(B, T, 3, H, Dh, dtype=dtype)
     _rotate_into(ref_grad[:, :, 0], dq.transpose(1, 2), cos, -sin)
@@ -266,8 +270,8 @@ def test_float32_varlen_attention_refuses_bad_offsets_and_layouts(kernels):
 
 
 def test_float32_forward_varlen_runs_the_varlen_kernel_and_matches_the_eager_buckets(kernels, monkeypatch):
-    """forward_varlen in float32 without autograd: RoPE on the rows and the varlen kernel (no bucket
-    layout is built) give the eager bucket path's output."""
+    """forward_varlen in float32 without autograd: RoPE in place on the projected rows and the varlen
+    kernel (no bucket layout is built) give the eager bucket path's output."""
     if not hasattr(kernels, "varlen_attention_forward"):
         pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
     import megaroute.model.attention as attention
@@ -281,7 +285,7 @@ def test_float32_forward_varlen_runs_the_varlen_kernel_and_matches_the_eager_buc
     pos = Positions(rope, positions.unsqueeze(1))
     calls = []
     monkeypatch.setattr(cpu, "load", lambda: types.SimpleNamespace(
-        rotary_qkv_forward=kernels.rotary_qkv_forward,
+        rotary_qkv_inplace=kernels.rotary_qkv_inplace,
         varlen_attention_forward=lambda *a: calls.append(1) or kernels.varlen_attention_forward(*a)))
     monkeypatch.setattr(attention, "BucketLayout", None)  # never built on this path
     with torch.no_grad():
