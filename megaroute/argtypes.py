@@ -1,4 +1,5 @@
-"""argparse `type=` converters for numbers with a lower bound, shared by every megaroute command.
+"""argparse `type=` converters (bounded numbers, names from a fixed set, comma-separated lists of either),
+shared by every megaroute command.
 
     p.add_argument("--batch", type=positive_int)      # 0 or -1: "argument --batch: must be >= 1, got 0"
 
@@ -37,6 +38,19 @@ positive_float = _bounded(float, 0.0, False, "> 0")
 non_negative_float = _bounded(float, 0.0, True, ">= 0")
 fraction = _bounded(float, 0.0, False, "in (0, 1]", high=1.0)
 unit_interval = _bounded(float, 0.0, True, "in [0, 1]", high=1.0)
+
+
+def one_of(names, what: str = "name"):
+    """A converter accepting only `names` (with comma_list: a list of them), naming the choices."""
+    names = list(names)
+
+    def convert(value: str) -> str:
+        if value not in names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {value!r} (choose from {', '.join(names)})")
+        return value
+
+    convert.__name__ = what
+    return convert
 
 
 def comma_list(convert):

@@ -76,7 +76,6 @@ def load_hf_model(path: str, device: str = "cpu"):
     The config's data section is a placeholder: the caller names the prepared data directory."""
     from transformers import AutoModelForCausalLM
 
-
     hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
     cfg = checkpoint_config(path)
     model = build_model(cfg.model, cfg.routing)

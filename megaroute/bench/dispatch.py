@@ -26,7 +26,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..argtypes import comma_list, positive_int, unit_interval
+from ..argtypes import comma_list, one_of, positive_int, unit_interval
 from ..config import load_config
 from ..model import ForwardOptions, build_model
 from .noise import per_round, round_order, verdict
@@ -113,16 +113,13 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=comma_list(str), default=list(SHAPES),
+    p = argparse.ArgumentParser(prog="python -m megaroute.bench.dispatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=comma_list(one_of(SHAPES, "shape")), default=list(SHAPES),
                    help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
                    help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
     args = p.parse_args(argv)
-    for s in args.shapes:
-        if s not in SHAPES:
-            p.error(f"--shapes: unknown shape {s!r} (choose from {', '.join(SHAPES)})")
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11}")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..argtypes import comma_list, non_negative_int, positive_int
+from ..argtypes import comma_list, non_negative_int, one_of, positive_int
 from ..config import load_config
 from ..model import build_model
 from ..train import engine as ds
@@ -104,17 +104,14 @@ def bench_logging(step_s: float, calls: int = 200) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megaroute.bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--batch", type=positive_int, default=8)
-    p.add_argument("--models", type=comma_list(str), default=["tiny", "384"],
+    p.add_argument("--models", type=comma_list(one_of(SHAPES, "model")), default=["tiny", "384"],
                    help=f"comma-separated, of {', '.join(SHAPES)} (default tiny,384)")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
     args = p.parse_args(argv)
-    for name in args.models:
-        if name not in SHAPES:
-            p.error(f"--models: unknown model {name!r} (choose from {', '.join(SHAPES)})")
     env = detect_env()
     torch.set_num_threads(args.threads if args.threads > 0 else max(1, len(os.sched_getaffinity(0))))
 

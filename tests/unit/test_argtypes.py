@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 
-from megaroute.argtypes import comma_list, fraction, non_negative_int, positive_float, positive_int, unit_interval
+from megaroute.argtypes import (comma_list, fraction, non_negative_int, one_of, positive_float, positive_int,
+                                unit_interval)
 from megaroute.bench import step
 
 
@@ -18,6 +20,7 @@ from megaroute.bench import step
     (unit_interval, {"0": 0.0, "1": 1.0, "0.8": 0.8}, ["1.5", "-0.1", "nan", "x"]),
     (comma_list(unit_interval), {"1.0,0.8": [1.0, 0.8], "0.5": [0.5], "0.8, 0.5": [0.8, 0.5]},
      ["", "0.8,", "0.5,,1", "0.8,abc", "0.8,1.5", "nan"]),
+    (comma_list(one_of(["tiny", "384"])), {"tiny": ["tiny"], "384,tiny": ["384", "tiny"]}, ["", "tiny,x", "Tiny"]),
 ])
 def test_converters(convert, good, bad):
     for text, value in good.items():
@@ -37,4 +40,15 @@ def test_converters(convert, good, bad):
 def test_step_benchmark_names_the_bad_option(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         step.main([*argv, "--variants", "dense"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    ("dispatch", ["--shapes", "nanogpt,bogus"], "argument --shapes: unknown shape 'bogus' (choose from nanogpt, char)"),
+    ("engine", ["--models", "tiny,zzz"], "argument --models: unknown model 'zzz' (choose from tiny, 384)"),
+])
+def test_benchmarks_name_an_unknown_shape(capsys, module, argv, message):
+    main = importlib.import_module(f"megaroute.bench.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
