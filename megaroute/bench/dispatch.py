@@ -12,7 +12,9 @@ The dense model has the same shape. Reported: median forward time of each (no gr
 torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its
 own shuffled order), their ratio, the interquartile range of the per-round ratios
 (bench/noise.py), and the FLOPs ratio of the two
-forwards (FlopCounterMode; the gates, the embedding and the LM head run on every token). Target
+forwards: their matmuls by FlopCounterMode (the gates, the embedding and the LM head run on every
+token) plus attention's scores over each sequence's executed tokens (4 c^2 d per layer for c tokens,
+megaroute.flops' convention; torch's counter has no formula for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
 interquartile range spans it.
 """
@@ -30,6 +32,8 @@ from ..argtypes import comma_list, one_of, positive_int, unit_interval
 from ..config import load_config
 from ..model import ForwardOptions, build_model
 from .noise import per_round, round_order, verdict
+
+aten = torch.ops.aten
 
 SHAPES = {
     # nanoGPT's comparison shape (issue 19): 6 layers, d 384, 6 heads, T 256, batch 8, vocab 8192
@@ -70,10 +74,23 @@ def _cpu_time(fn) -> float:
     return time.thread_time() - t0
 
 
-def _flops(fn) -> int:
+def _matmul_flops(fn) -> int:
+    """FLOPs of the matmuls fn runs (FlopCounterMode). Attention's scores are not among them: torch's
+    counter has no formula for CPU attention, and under it the ragged path's eager fallback pads into
+    buckets, which the kernels do not; `attention_flops` counts them from the masks."""
     with FlopCounterMode(display=False) as counter:
         fn()
-    return counter.get_total_flops()
+    counts = counter.get_flop_counts()["Global"]
+    other = sorted(str(op) for op in counts if op not in (aten.mm, aten.addmm))
+    if other:  # e.g. attention decomposed into bmm's: it would be counted twice
+        raise RuntimeError(f"bench.dispatch: FlopCounterMode counted {other}; only mm/addmm are expected")
+    return sum(counts.values())
+
+
+def attention_flops(executed: list[torch.Tensor], d_model: int) -> int:
+    """Attention scores of one forward, as megaroute.flops counts them: QK^T and AV over the full c x c
+    matrix of a sequence that runs c tokens, 4 c^2 d per layer. executed: per layer, [B, T] bool."""
+    return sum(4 * d_model * int((mask.sum(dim=1) ** 2).sum()) for mask in executed)
 
 
 @torch.no_grad()
@@ -104,11 +121,14 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
     for r in range(repeats):  # interleaved: machine load drifts over all variants alike
         for name in round_order(list(fns), r):
             times[name].append(_cpu_time(fns[name]))
-    dense_s, dense_flops = statistics.median(times["dense"]), _flops(dense)
+    d = base.model.d_model
+    full = [torch.ones(B, T, dtype=torch.bool)] * base.model.n_layers
+    dense_s = statistics.median(times["dense"])
+    dense_flops = _matmul_flops(dense) + attention_flops(full, d)
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
              "ratio": statistics.median(times[c]) / dense_s, "rounds": per_round(times[c], times["dense"]),
-             "flops_ratio": _flops(runs[c]) / dense_flops}
+             "flops_ratio": (_matmul_flops(runs[c]) + attention_flops(list(masks[c].values()), d)) / dense_flops}
             for c in cases]
 
 

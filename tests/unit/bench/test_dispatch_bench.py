@@ -1,4 +1,5 @@
-"""The dispatch benchmark's masks execute the fraction they are labelled with."""
+"""The dispatch benchmark's masks execute the fraction they are labelled with, and its FLOPs ratio counts
+what the two forwards compute."""
 
 from __future__ import annotations
 
@@ -19,3 +20,35 @@ def test_masks_execute_their_fraction(frac, spread):
         counts = mask.sum(dim=1)
         if spread and frac < 1.0:
             assert counts.max() - counts.min() >= 0.5 * 64 * min(frac, 1 - frac)  # rows really differ
+
+
+def test_flops_ratio_counts_attention_over_the_executed_tokens():
+    """The FLOPs ratio's two counts: matmuls (FlopCounterMode) plus attention's scores over each sequence's
+    executed tokens. Dense, they equal megaroute.flops' analytic forward (which counts the scores that
+    torch's counter misses on CPU); a ragged selection's scores follow each sequence's count squared."""
+    from megaroute.bench.dispatch import _matmul_flops, attention_flops
+    from megaroute.config import load_config
+    from megaroute.flops import estimate_flops
+    from megaroute.model import ForwardOptions, build_model
+
+    B, T = 3, 24
+    shape = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=50",
+             "data.tokenizer.vocab_size=50", f"model.max_seq_len={T}", f"data.seq_len={T}"]
+    cfg = load_config(None, shape)
+    tokens = torch.randint(0, 50, (B, T))
+    model = build_model(cfg.model, cfg.routing).eval()
+    with torch.no_grad():
+        counted = _matmul_flops(lambda: model(tokens)) + attention_flops([torch.ones(B, T, dtype=torch.bool)] * 2, 32)
+    assert counted == B * estimate_flops(cfg.model, cfg.routing, T).forward
+
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, :3], mask[2, 5:10] = True, True  # counts 3, 0, 5
+    assert attention_flops([mask, mask], 32) == 2 * 4 * 32 * (9 + 0 + 25)
+
+    halting = load_config(None, [*shape, "routing.method=halting", "routing.every=1", "routing.offset=0"])
+    hard = build_model(halting.model, halting.routing).eval()
+    masks = {"layer_0": mask, "layer_1": torch.ones(B, T, dtype=torch.bool)}
+    with torch.no_grad():  # the ragged path runs under the counter and adds no bmm's of its own
+        assert _matmul_flops(lambda: hard(tokens, options=ForwardOptions(mode="hard", masks=masks))) > 0
+    with pytest.raises(RuntimeError, match="only mm/addmm"):
+        _matmul_flops(lambda: torch.bmm(torch.ones(1, 2, 2), torch.ones(1, 2, 2)))
