@@ -5,11 +5,13 @@ import time
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from megaroute.bench import step
 from megaroute.config import ModelConfig
 from megaroute.config.schema import MoEConfig
 from megaroute.flops import flops_per_token, measure_matmul_flops
+from megaroute.model import build_model
 from megaroute.model.routing.calibration import budget_gap
 
 
@@ -194,6 +196,21 @@ def test_gpt2_baseline_trains_and_compares(capsys, small_shape):
     out = step.report("fp32", steps, tokens=64, flops=flops, peaks=[4e9])
     ratio = flops["dense"] / flops["gpt2"]
     assert ratio != pytest.approx(1.0)
+    # ... and it is the ratio of all their FLOPs, attention's scores included (which torch's counter
+    # misses on CPU unless given a formula for its flash kernel; backward = 2 x forward, the model
+    # FLOPs convention, not the kernel's recompute)
+    aten = torch.ops.aten
+    cpu_attention = {
+        aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda grad, q, k, v, *args, out_shape=None, **kwargs: 2 * sdpa_flop_count(q, k, v)}
+    counted = []
+    for model in (step.gpt2.GPT2(small_shape), build_model(small_shape, step.VARIANTS["dense"])):
+        with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
+            model(torch.randint(0, 256, (1, 32)), targets=torch.randint(0, 256, (1, 32))).loss.backward()
+        counted.append(counter.get_total_flops())
+    assert ratio == pytest.approx(counted[1] / counted[0], rel=1e-9)
     assert f"dense step / gpt2 step (nanoGPT's architecture, FLOPs ratio {ratio:.3f}): median 0.750, min 0.750 " \
            "(target <= 0.9) HOLDS" in out
     assert "target <=" not in step.report("fp32", steps, 64, flops, [4e9], speedup_targets=False)
