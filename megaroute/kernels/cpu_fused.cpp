@@ -243,44 +243,42 @@ void rotary_kernel(T* rows_in, const Heads<T>& q, const Heads<T>& k, const Heads
   });
 }
 
-std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+void check_rotary(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   check_cpu(qkv, "qkv");
   check_cpu(cos, "cos");
   check_cpu(sin, "sin");
   TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, "qkv must be [B, T, 3, H, Dh]");
-  const int64_t B = qkv.size(0), S = qkv.size(1), H = qkv.size(3), Dh = qkv.size(4);
-  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == B * S * (Dh / 2) && sin.numel() == cos.numel(),
+  TORCH_CHECK(qkv.size(4) % 2 == 0 && cos.numel() == qkv.size(0) * qkv.size(1) * (qkv.size(4) / 2) &&
+                  sin.numel() == cos.numel(),
               "cos and sin must hold [B, T, Dh / 2] values");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "cos and sin must be in qkv's dtype");
-  auto opts = qkv.options();
-  at::Tensor q = at::empty({B, H, S, Dh}, opts), k = at::empty({B, H, S, Dh}, opts), v = at::empty({B, H, S, Dh}, opts);
+}
+
+// q and k of qkv [B, T, 3, H, Dh] rotated into q, k [B, H, T, Dh] (any strides, Dh contiguous), v copied.
+void rotary_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& q,
+                 const at::Tensor& k, const at::Tensor& v) {
   dispatch(qkv.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     rotary_kernel<T>(qkv.data_ptr<T>(), Heads<T>(q), Heads<T>(k), Heads<T>(v), cos.data_ptr<T>(), sin.data_ptr<T>(),
-                     B, S, H, Dh, false);
+                     qkv.size(0), qkv.size(1), qkv.size(3), qkv.size(4), false);
   });
+}
+
+std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rotary(qkv, cos, sin);
+  const auto shape = {qkv.size(0), qkv.size(3), qkv.size(1), qkv.size(4)};  // [B, H, T, Dh]
+  at::Tensor q = at::empty(shape, qkv.options()), k = at::empty(shape, qkv.options()), v = at::empty(shape, qkv.options());
+  rotary_into(qkv, cos, sin, q, k, v);
   return {q, k, v};
 }
 
 // Inference (no autograd): q and k rotated in place in qkv [B, T, 3, H, Dh]; the caller reads q, k and v
 // as views of it. No q, k, v buffers, no copy of v. rotate_head reads each element pair before writing it.
 void rotary_qkv_inplace(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
-  check_cpu(qkv, "qkv");
-  check_cpu(cos, "cos");
-  check_cpu(sin, "sin");
-  TORCH_CHECK(qkv.dim() == 5 && qkv.size(2) == 3, "qkv must be [B, T, 3, H, Dh]");
-  const int64_t B = qkv.size(0), S = qkv.size(1), H = qkv.size(3), Dh = qkv.size(4);
-  TORCH_CHECK(Dh % 2 == 0 && cos.numel() == B * S * (Dh / 2) && sin.numel() == cos.numel(),
-              "cos and sin must hold [B, T, Dh / 2] values");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
-              "cos and sin must be in qkv's dtype");
-  dispatch(qkv.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const auto heads = [&](int64_t i) { return Heads<T>(qkv.select(2, i).permute({0, 2, 1, 3})); };
-    rotary_kernel<T>(qkv.data_ptr<T>(), heads(0), heads(1), heads(2), cos.data_ptr<T>(), sin.data_ptr<T>(), B, S, H,
-                     Dh, false);
-  });
+  check_rotary(qkv, cos, sin);
+  const auto heads = [&](int64_t i) { return qkv.select(2, i).permute({0, 2, 1, 3}); };
+  rotary_into(qkv, cos, sin, heads(0), heads(1), heads(2));
 }
 
 // dq, dk, dv: any strides with Dh contiguous (SDPA's CPU backward returns them [B, T, H, Dh]-strided).
