@@ -133,7 +133,8 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megaroute.bench.dispatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megaroute.bench.dispatch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=comma_list(one_of(SHAPES, "shape")), default=list(SHAPES),
                    help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],

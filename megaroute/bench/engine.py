@@ -104,7 +104,8 @@ def bench_logging(step_s: float, calls: int = 200) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megaroute.bench.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m megaroute.bench.engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--batch", type=positive_int, default=8)

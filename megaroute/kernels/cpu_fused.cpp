@@ -232,7 +232,8 @@ void rotary_kernel(T* rows_in, const Heads<T>& q, const Heads<T>& k, const Heads
         if (!backward) {
           rotate_head<T>(packed, q.at(b, hh, t), c, s, half);
           rotate_head<T>(packed + H * Dh, k.at(b, hh, t), c, s, half);
-          if (v.at(b, hh, t) != packed + 2 * H * Dh) std::copy(packed + 2 * H * Dh, packed + 2 * H * Dh + Dh, v.at(b, hh, t));
+          T* src = packed + 2 * H * Dh;
+          if (v.at(b, hh, t) != src) std::copy(src, src + Dh, v.at(b, hh, t));  // in place: v stays
         } else {
           rotate_head<T>(q.at(b, hh, t), packed, c, s, half);
           rotate_head<T>(k.at(b, hh, t), packed + H * Dh, c, s, half);
@@ -268,7 +269,8 @@ void rotary_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
 std::vector<at::Tensor> rotary_qkv_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin) {
   check_rotary(qkv, cos, sin);
   const auto shape = {qkv.size(0), qkv.size(3), qkv.size(1), qkv.size(4)};  // [B, H, T, Dh]
-  at::Tensor q = at::empty(shape, qkv.options()), k = at::empty(shape, qkv.options()), v = at::empty(shape, qkv.options());
+  const auto opts = qkv.options();
+  at::Tensor q = at::empty(shape, opts), k = at::empty(shape, opts), v = at::empty(shape, opts);
   rotary_into(qkv, cos, sin, q, k, v);
   return {q, k, v};
 }
