@@ -11,10 +11,11 @@ row measures the gates, not the ragged dispatch.
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
 torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its
 own shuffled order), their ratio, the interquartile range of the per-round ratios
-(bench/noise.py), and the FLOPs ratio of the two
-forwards: their matmuls by FlopCounterMode (the gates, the embedding and the LM head run on every
-token) plus attention's scores over each sequence's executed tokens (4 c^2 d per layer for c tokens,
-megaroute.flops' convention; torch's counter has no formula for CPU attention). Target
+(bench/noise.py), the FLOPs ratio of the two forwards and the time ratio over it ("vs FLOPs": 1.00x =
+time saved matches FLOPs saved). A forward's FLOPs: its matmuls by FlopCounterMode (the gates, the
+embedding and the LM head run on every token) plus attention's scores over each sequence's executed
+tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's counter has no formula
+for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
 interquartile range spans it.
 """
@@ -143,14 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
-          f"{'per-round IQR':>13} {'FLOPs ratio':>11}")
+          f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8}")
     for s in args.shapes:
         for r in bench_shape(s, args.fracs, args.repeats):
             note = "" if r["frac"] != 0.8 else "  " + verdict(r["ratio"], TARGET, r["rounds"], met="OK",
                                                              missed=f"ABOVE {TARGET} TARGET")
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
-                  f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f}{note}")
+                  f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
+                  f"{r['ratio'] / r['flops_ratio']:>7.2f}x{note}")
     return 0
 
 

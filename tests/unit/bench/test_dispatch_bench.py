@@ -52,3 +52,24 @@ def test_flops_ratio_counts_attention_over_the_executed_tokens():
         assert _matmul_flops(lambda: hard(tokens, options=ForwardOptions(mode="hard", masks=masks))) > 0
     with pytest.raises(RuntimeError, match="only mm/addmm"):
         _matmul_flops(lambda: torch.bmm(torch.ones(1, 2, 2), torch.ones(1, 2, 2)))
+
+
+def test_dispatch_benchmark_prints_each_case_with_its_flops_ratio(capsys):
+    """End to end at the char shape: each line's "vs FLOPs" is its time ratio over its FLOPs ratio, and
+    the 80% lines carry the target's verdict."""
+    from megaroute.bench.dispatch import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--shapes", "char", "--fracs", "1.0,0.8", "--repeats", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("char")]
+    assert [line.split()[6:8] for line in lines] == [["100%", "even"], ["80%", "even"], ["80%", "spread"]]
+    for line in lines:
+        fields = line.split()
+        ratio, flops, vs = float(fields[10]), float(fields[12]), float(fields[13].rstrip("x"))
+        assert vs == pytest.approx(ratio / flops, abs=0.006)
+        verdict = fields[14:15]  # the 0.88 target's, at 80% only
+        assert (verdict == []) if fields[6] == "100%" else (verdict in (["OK"], ["ABOVE"]))
+    assert float(lines[1].split()[12]) == pytest.approx(0.814, abs=0.002)  # attention's scores counted
