@@ -188,8 +188,8 @@ def honest_routing_mode(method: str) -> str:
 
 def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False,
             routing_mode: Optional[str] = None, dtype: Optional[str] = None, tokenizer: Optional[str] = None,
-            config: Optional[str] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True, format: str = "auto",
-            skip_verify: bool = False) -> str:
+            config: Optional[str] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True,
+            format: str = "auto", skip_verify: bool = False) -> str:
     """Converts one checkpoint; returns the output directory. format: "auto" (dense -> "llama", routed ->
     "megaroute"), "llama" (native LlamaForCausalLM, dense only) or "megaroute" (remote code).
     Integrity (IntegrityError, before anything is written): every file's sha256 against the manifest and
