@@ -71,7 +71,8 @@ def test_dispatch_benchmark_prints_each_case_with_its_flops_ratio(capsys):
     for line in lines:
         fields = line.split()
         ratio, flops, vs = float(fields[10]), float(fields[12]), float(fields[13].rstrip("x"))
-        assert vs == pytest.approx(ratio / flops, abs=0.006)
+        # vs is printed to 2 decimals, ratio and flops to 3: the bound is their rounding, propagated
+        assert vs == pytest.approx(ratio / flops, abs=0.005 + 0.0005 * (1 / flops + ratio / flops**2))
         verdict = fields[14:15]  # the 0.88 target's, at 80% only
         assert (verdict == []) if fields[6] == "100%" else (verdict in (["OK"], ["ABOVE"]))
     assert float(lines[1].split()[12]) == pytest.approx(0.814, abs=0.002)  # attention's scores counted
