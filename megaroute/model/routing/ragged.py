@@ -62,7 +62,8 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
     """
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    if rows.shape[0] == B * T:  # every token runs: the block on the batch as it is (no gather, no layout)
+    every = rows.shape[0] == B * T  # every token runs: the block on the batch as it is (no gather, no layout)
+    if every:
         delta = block.update(x, pos).reshape(B * T, D)
     else:
         lengths = counts.tolist()  # the one host sync: the attention layout depends on it
@@ -74,4 +75,6 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
         update = weight.to(acc).unsqueeze(-1) * delta.to(acc)
     else:
         update = delta.to(acc)
+    if every:  # rows = 0 .. B T - 1: index_add's one add per element, without its row-by-row loop
+        return (flat.to(acc) + update).to(x.dtype).view(B, T, D)
     return flat.to(acc).index_add(0, rows, update).to(x.dtype).view(B, T, D)

@@ -193,7 +193,7 @@ def test_forward_varlen_bf16_close_to_each_sequence_alone():
 
 def test_every_token_selected_runs_the_dense_block_without_a_layout(monkeypatch):
     """A mask that keeps every token (a halting gate that skips nothing) gives exactly the dense
-    layer's output, x + block.update(x), with no gather or bucket layout built."""
+    layer's output, x + block.update(x), with no gather, bucket layout or row-by-row index_add."""
     block, pos = _setup()
     block.eval()
     x = torch.randn(B, T, 32, dtype=torch.float64)
@@ -204,4 +204,8 @@ def test_every_token_selected_runs_the_dense_block_without_a_layout(monkeypatch)
 
     monkeypatch.setattr(BucketLayout, "__init__", no_layout)
     full = torch.ones(B, T, dtype=torch.bool)
-    assert torch.equal(update_masked(block, x, pos, full, dispatcher=Dispatcher("torch")), dense)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = update_masked(block, x, pos, full, dispatcher=Dispatcher("torch"))
+    assert torch.equal(out, dense)
+    ops = {event.key for event in prof.key_averages()}
+    assert not ops & {"aten::index_add", "aten::index_add_", "aten::index_select"}, ops
