@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import ModelConfig, RoutingConfig
 from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParallelEmbedding, gather_from_tp,
-                        tp_size, vocab_parallel_cross_entropy)
+                        parallel_argmax, tp_size, vocab_parallel_cross_entropy)
 from ..parallel.mappings import Group
 from .block import TransformerBlock
 from .cache import KVCache
@@ -189,7 +189,7 @@ class Transformer(nn.Module):
                              record=o.record_decisions, calibrate=o.calibrate)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
-        ctx.readout = lambda h: self.gather_logits(self.lm_head(self.norm(h)))  # full vocab (early-exit argmax)
+        ctx.predict = lambda h: parallel_argmax(self.lm_head(self.norm(h)), self.tp_group)  # early-exit labels
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos if cache is None else pos.with_kv(cache.layers[i]), ctx, f"layer_{i}")
@@ -205,9 +205,9 @@ class Transformer(nn.Module):
         wanted = o.return_logits or bool(ctx.deferred) or (targets is not None and not fused_head)
         logits = self.lm_head(h) if wanted else None
         if ctx.deferred:
-            full_logits = self.gather_logits(logits)
+            predictions = parallel_argmax(logits.detach(), self.tp_group)  # once, for every deferred use
             for fn in ctx.deferred:
-                fn(full_logits)
+                fn(predictions)
         ctx.deferred.clear()  # the closures reference ctx: break the cycle so activations free promptly
         if ctx.exec_frac:
             # Token-layer operations executed, as a fraction of running every block for every token.

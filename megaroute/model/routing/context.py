@@ -35,10 +35,11 @@ class RoutingContext:
     force: dict[str, str] = field(default_factory=dict)
     # Early exit: tokens still running ([B, T] bool); None = all.
     active: Optional[torch.Tensor] = None
-    # Losses that need the final logits (early-exit heads); called by the model as fn(logits).
+    # Losses that need the model's final predictions (early-exit heads): called by the model as
+    # fn(predictions), the argmax token ids [B, T] of the final logits, computed once for all of them.
     deferred: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
-    # h -> logits through the model's final norm and LM head (early-exit consistency labels).
-    readout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # h -> the argmax token ids [B, T] of the model's final norm and LM head at h (early-exit labels).
+    predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     # Audit hooks (megaroute audit): with `record`, each routed layer's executed-token mask [B, T]
     # lands in `decisions`; a mask in `masks` replaces that layer's own decision.
     record: bool = False

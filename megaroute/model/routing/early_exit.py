@@ -6,7 +6,8 @@ Every block of an early-exit model is an EarlyExitLayer; routed blocks also own 
     "topk" (training): every token runs every block. Each head learns, by BCE, whether the
         prediction read out here already equals the final one:
             label = argmax lm_head(norm(h_l)) == argmax final_logits
-        The label needs the final logits, so the loss is deferred until the model has them.
+        The label needs the final prediction, so the loss is deferred until the model has it
+        (computed once for every head; under TP neither argmax gathers the vocabulary).
     "causal" / "hard" (evaluation, sampling): after a head, tokens with sigmoid(c) > threshold
         leave ctx.active; later blocks run only the active tokens (ragged dispatch with their
         original positions), so they attend to active tokens only; exited tokens keep their
@@ -68,9 +69,9 @@ class EarlyExitLayer(nn.Module):
         return x
 
     def _consistency_loss(self, ctx: RoutingContext, name: str, h: torch.Tensor, confidence: torch.Tensor,
-                          final_logits: torch.Tensor) -> None:
+                          final_prediction: torch.Tensor) -> None:
         with torch.no_grad():
-            label = (ctx.readout(h).argmax(-1) == final_logits.argmax(-1)).float()
+            label = (ctx.predict(h) == final_prediction).float()
         ctx.add_loss(f"{name}/exit_bce", F.binary_cross_entropy_with_logits(confidence.float(), label),
                      self.loss_weight)
         ctx.add_stat(f"{name}/exit_label_frac", label.mean())

@@ -21,17 +21,17 @@ def heads(model) -> dict[int, EarlyExitLayer]:
 
 
 def forward(model, tokens: torch.Tensor, mode: str = "topk") -> tuple[torch.Tensor, RoutingContext]:
-    """Transformer.forward written out, with ctx.readout (h -> logits) that exit training needs."""
+    """Transformer.forward written out, with ctx.predict (h -> argmax token ids) that exit training needs."""
     B, T = tokens.shape
     ctx = RoutingContext(mode=mode)
-    ctx.readout = lambda h: model.lm_head(model.norm(h))
+    ctx.predict = lambda h: model.lm_head(model.norm(h)).argmax(-1)
     pos = Positions(model.rope, torch.arange(T).expand(B, T))
     x = model.embed(tokens)
     for i, layer in enumerate(model.layers):
         x = layer(x, pos, ctx, f"layer_{i}")
     logits = model.lm_head(model.norm(x))
     for fn in ctx.deferred:
-        fn(logits)
+        fn(logits.argmax(-1))
     return logits, ctx
 
 
@@ -190,6 +190,30 @@ def test_training_runs_every_block_and_trains_heads_toward_consistency(make_mode
     lm = F.cross_entropy(logits.flatten(0, 1), tokens_for(cfg, B, T).flatten())
     head_params = [p for n, p in named.items() if "exit_head" in n]
     assert all(g is None for g in torch.autograd.grad(lm, head_params, allow_unused=True))
+
+
+def test_model_forward_labels_against_its_final_prediction_once(make_model, monkeypatch):
+    """The model's own training forward (the head inside the loss is off: the labels need the final
+    prediction) gives the written-out consistency losses, with one argmax of the final logits for
+    every head (plus one per head's readout), not one per head."""
+    model, cfg = make_model(*EVERY, "routing.early_exit.loss_weight=0.5")
+    spread_exits(model)
+    tokens = tokens_for(cfg, 2, 16)
+    _, ref = forward(model, tokens)
+    counted = {"max": 0}
+    original = torch.Tensor.max
+
+    def counting_max(self, *args, **kwargs):
+        counted["max"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "max", counting_max)
+    out = model(tokens, tokens, options=ForwardOptions(return_logits=False))
+    monkeypatch.undo()
+    assert counted["max"] == len(heads(model)) + 1
+    assert set(out.aux_losses) == set(ref.aux_losses) == {f"layer_{i}/exit_bce" for i in heads(model)}
+    for name, loss in ref.aux_losses.items():
+        torch.testing.assert_close(out.aux_losses[name], loss, rtol=0, atol=0)
 
 
 def test_loss_weight_zero_adds_no_loss_and_no_readout(make_model):
