@@ -9,7 +9,9 @@
     varlen_attention_forward              the same per (sequence, head) of rows laid end to end:
                                           forward_varlen in float32 without autograd (same condition)
     cross_entropy_rows                    the LM loss's softmax passes, model/lm_loss.py's
-                                          _LinearCrossEntropy (per row: loss, and the gradient in place)
+                                          _LinearCrossEntropy (per row: loss, and the gradient in place;
+                                          optionally the row's argmax)
+    row_argmax                            torch.argmax(-1) of [n, V] rows: parallel.parallel_argmax
 
 Eager torch runs the first four as several elementwise passes with fresh temporaries (SwiGLU's
 backward: three passes and a temporary; RoPE: eight strided passes 32 values wide; RMSNorm: five

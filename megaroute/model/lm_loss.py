@@ -16,6 +16,8 @@ tests/unit/model/test_fused.py holds both to F.linear + F.cross_entropy (values 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..kernels import cpu
@@ -105,15 +107,18 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.
 
 
 def _cross_entropy_tiles(logits: torch.Tensor, safe: torch.Tensor, keep, losses: torch.Tensor, tile: int,
-                         work) -> None:
+                         work, predictions=None) -> None:
     """The softmax passes of _LinearCrossEntropy in eager ops (the CPU kernel's cross_entropy_rows is
     held to them), a cache-sized tile of rows at a time: losses [n] = logsumexp - target logit of
     logits [n, V] (targets safe [n, 1]); with keep [n, 1] (a gradient is wanted) the rows become
-    (softmax - onehot) * keep, rounded once to the logits' dtype. `work`: a float32 [tile, V] buffer
-    for 16-bit logits; None works in place in float32 logits (whose rows are then overwritten)."""
+    (softmax - onehot) * keep, rounded once to the logits' dtype; with predictions [n], each row's
+    argmax. `work`: a float32 [tile, V] buffer for 16-bit logits; None works in place in float32
+    logits (whose rows are then overwritten)."""
     for a in range(0, logits.shape[0], tile):
         b = min(logits.shape[0], a + tile)
         lg = logits[a:b]
+        if predictions is not None:  # before the rows are overwritten; max(dim)'s index is argmax's, faster
+            predictions[a:b] = lg.max(dim=-1).indices
         p = lg if work is None else work[:b - a]
         target_logit = lg.gather(1, safe[a:b]).to(p.dtype)
         if p is not lg:
@@ -139,7 +144,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (float32) turned in place into exp(logit - row max), the row's logsumexp and loss (logsumexp -
     target logit, the target logit read from the logits in `dtype`, as F.cross_entropy on them reads
     it). When h or weight needs a gradient, the same buffer then becomes the gradient of the mean
-    loss, (softmax - onehot) / count (zero for ignored rows). Float32: the logits come a chunk of rows
+    loss, (softmax - onehot) / count (zero for ignored rows). `predictions` (an int64 [N] tensor, or
+    None) receives each row's argmax token from the same logits, before they are overwritten: the
+    model's prediction, for callers that need it without the logits (early exit's labels). Float32: the logits come a chunk of rows
     (CE_CHUNK_ELEMENTS) at a time from one matmul into one reused buffer, and the head's backward
     matmuls run per chunk (grad_h rows = g @ weight, grad_weight += g^T @ h rows, accumulated in
     float32). 16-bit with a gradient: the logits come from one whole [N, V] matmul, each tile's
@@ -156,7 +163,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, dtype):
+    def forward(ctx, h, weight, targets, dtype, predictions):
         ctx.grads = None
         with torch.autocast(h.device.type, enabled=False):
             N, V = h.shape[0], weight.shape[0]
@@ -187,9 +194,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 chunk = logits[s:e] if whole else torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
                 if kernels is not None:  # one pass per row; with keep, the chunk becomes its gradient
                     kernels.cross_entropy_rows(chunk, safe[s:e].view(-1), keep[s:e].view(-1) if wants_grad else None,
-                                               losses[s:e])
+                                               losses[s:e], None if predictions is None else predictions[s:e])
                 else:
-                    _cross_entropy_tiles(chunk, safe[s:e], keep[s:e] if wants_grad else None, losses[s:e], tile, work)
+                    _cross_entropy_tiles(chunk, safe[s:e], keep[s:e] if wants_grad else None, losses[s:e], tile, work,
+                                         None if predictions is None else predictions[s:e])
                 if wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     if s == 0:
@@ -212,15 +220,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         (grad_h, grad_w), ctx.grads = ctx.grads, None  # handed over: autograd may adopt grad_w as .grad
         if grad.item() != 1.0:  # CPU only: no device sync; the common case returns them unscaled
             grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         predictions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean cross-entropy of logits h @ weight^T (h [..., D], weight [V, D], no bias) against
     targets [...] (IGNORE_INDEX excluded), in the dtype F.linear would use here (autocast's lower
-    precision, else h's), without materializing the logits; see _LinearCrossEntropy."""
+    precision, else h's), without materializing the logits; see _LinearCrossEntropy. predictions: a
+    contiguous int64 tensor shaped like targets, filled with the logits' argmax per position."""
     flat = targets.reshape(-1)
+    if predictions is not None and not (predictions.dtype == torch.long and predictions.is_contiguous()
+                                        and predictions.shape == targets.shape):
+        raise ValueError(f"linear_cross_entropy: predictions must be a contiguous int64 tensor shaped like targets "
+                         f"{tuple(targets.shape)}, got {predictions.dtype} {tuple(predictions.shape)}")
     dtype = h.dtype
     if torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float16, torch.bfloat16):
         dtype = torch.get_autocast_dtype(h.device.type)
-    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype)
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype,
+                                     None if predictions is None else predictions.view(-1))

@@ -197,16 +197,27 @@ class Transformer(nn.Module):
             cache.seen = start + T
         h = self.norm(x)
         local = self.fused and h.device.type == "cpu" and tp_size(self.tp_group) == 1
-        # The head inside the loss unless someone reads the logits (the caller, or a routed layer's
-        # deferred use of them), and not under ZeRO-3, which gathers a partitioned weight (`ds_id`)
-        # only around its own module's forward.
-        fused_head = (local and targets is not None and not o.return_logits and not ctx.deferred
+        # The head inside the loss unless the caller reads the logits, and not under ZeRO-3, which
+        # gathers a partitioned weight (`ds_id`) only around its own module's forward. Deferred uses
+        # (early exit's labels) need only the final prediction, which the fused loss reports.
+        fused_head = (local and targets is not None and not o.return_logits
                       and self.lm_head.bias is None and not hasattr(self.lm_head.weight, "ds_id"))
-        wanted = o.return_logits or bool(ctx.deferred) or (targets is not None and not fused_head)
+        wanted = o.return_logits or (not fused_head and (targets is not None or bool(ctx.deferred)))
         logits = self.lm_head(h) if wanted else None
+        predictions = torch.empty(targets.shape, dtype=torch.long, device=h.device) if fused_head and ctx.deferred \
+            else None
+        lm_loss = None
+        if targets is not None:
+            if fused_head:
+                lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets, predictions)
+            elif local:
+                lm_loss = chunked_cross_entropy(logits, targets)
+            else:
+                lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
         if ctx.deferred:
-            predictions = parallel_argmax(logits.detach(), self.tp_group)  # once, for every deferred use
-            for fn in ctx.deferred:
+            if predictions is None:
+                predictions = parallel_argmax(logits.detach(), self.tp_group)
+            for fn in ctx.deferred:  # the final prediction, taken once for every deferred use
                 fn(predictions)
         ctx.deferred.clear()  # the closures reference ctx: break the cycle so activations free promptly
         if ctx.exec_frac:
@@ -217,12 +228,7 @@ class Transformer(nn.Module):
         out = ModelOutput(logits=logits if o.return_logits else None, aux_losses=ctx.aux_losses,
                           routing_stats=ctx.stats, decisions=ctx.decisions, executed=ctx.executed)
         if targets is not None:
-            if fused_head:
-                out.lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets)
-            elif local:
-                out.lm_loss = chunked_cross_entropy(logits, targets)
-            else:
-                out.lm_loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+            out.lm_loss = lm_loss
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out

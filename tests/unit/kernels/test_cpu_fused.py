@@ -23,6 +23,7 @@ from megaroute.model import ForwardOptions, build_model
 from megaroute.model.attention import CausalSelfAttention, causal_attention
 from megaroute.model.lm_loss import _cross_entropy_tiles
 from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
+from megaroute.parallel import parallel_argmax
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -148,6 +149,42 @@ def test_cross_entropy_rows_matches_the_eager_tile_loop(kernels, dtype, rows, V)
     else:  # one bf16 rounding of float32 values that may differ in their last bits (the sum's order)
         torch.testing.assert_close(plain.float(), ref_grad.float(), rtol=8e-3, atol=1e-6)
     assert not plain[::3].any()
+
+
+def _argmax_cases(rows: int, V: int) -> dict[str, torch.Tensor]:
+    """Logits [rows, V] whose argmax is easy to get wrong: ties, NaN (the maximum, as torch counts it),
+    all -inf, the maximum in the ragged tail past the last full vector."""
+    nan = torch.randn(rows, V)
+    nan[torch.rand(rows, V) < 0.05] = float("nan")
+    tail = torch.randn(rows, V)
+    tail[:, -1] = 100.0
+    return {"random": 4 * torch.randn(rows, V), "ties": torch.randint(0, 3, (rows, V)).float(), "nan": nan,
+            "-inf": torch.full((rows, V), float("-inf")), "tail": tail}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,V", [(3, 1), (5, 7), (4, 37), (0, 16), (300, 1000)])
+def test_row_argmax_and_the_loss_predictions_match_torch_argmax(kernels, dtype, rows, V):
+    """row_argmax, and cross_entropy_rows' predictions (read before the rows become their gradient),
+    give torch.argmax(-1): the first maximum, NaN counting as the maximum."""
+    for case, x in _argmax_cases(rows, V).items():
+        logits = x.to(dtype)
+        expected = logits.argmax(-1)
+        assert torch.equal(kernels.row_argmax(logits), expected), case
+        predictions = torch.full((rows,), -1)
+        kernels.cross_entropy_rows(logits.clone(), torch.zeros(rows, dtype=torch.long), torch.rand(rows),
+                                   torch.empty(rows), predictions)
+        assert torch.equal(predictions, expected), case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_parallel_argmax_without_tp_is_torch_argmax(kernels, dtype):
+    """The kernel for float32 / bf16 rows, max(dim).indices otherwise (fp16, float64, strided):
+    torch.argmax's index either way, for any leading shape."""
+    for case, x in _argmax_cases(6, 70).items():
+        logits = x.view(2, 3, 70).to(dtype)
+        assert torch.equal(parallel_argmax(logits), logits.argmax(-1)), case
+        assert torch.equal(parallel_argmax(logits.transpose(0, 1)), logits.transpose(0, 1).argmax(-1)), case
 
 
 def test_cross_entropy_rows_refuses_targets_out_of_range(kernels):

@@ -108,8 +108,9 @@ def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, he
 def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol, kernels):
     """The LM head inside the loss against F.linear then F.cross_entropy on float32 (float64) copies
     of the logits, over several chunks and tiles, with ignored targets: loss, grad_h, grad_weight,
-    their dtypes, and the incoming gradient's scale (a loss scaled by 3); with the CPU kernels' row
-    pass (kernels/cpu.py, where built) and with the eager tile loop."""
+    their dtypes, the incoming gradient's scale (a loss scaled by 3) and the predictions it reports
+    (each row's argmax); with the CPU kernels' row pass (kernels/cpu.py, where built) and with the
+    eager tile loop."""
     monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)  # matmul chunks of 4 rows: 4, 4, 2
     monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 1)
     monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # softmax tiles of 3 rows: partial ones in each chunk
@@ -119,9 +120,11 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
     weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 11, (2, 5))
     targets[0, 1] = targets[1, 4] = IGNORE_INDEX
+    predictions = torch.full((2, 5), -1)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = linear_cross_entropy(h, weight, targets)
+        loss = linear_cross_entropy(h, weight, targets, predictions)
         logits = torch.nn.functional.linear(h, weight)
+    assert torch.equal(predictions, logits.argmax(-1))
     grads = torch.autograd.grad(3 * loss, (h, weight))
     wide = torch.promote_types(logits.dtype, torch.float32)
     ref = F.cross_entropy(logits.to(wide).view(-1, 11), targets.view(-1))
@@ -132,7 +135,11 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
     assert grads[0][0, 1].abs().sum() == 0  # ignored targets get no gradient
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the loss alone
-        torch.testing.assert_close(linear_cross_entropy(h, weight, targets), loss.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(linear_cross_entropy(h, weight, targets, predictions), loss.detach(),
+                                   rtol=tol, atol=tol)
+    assert torch.equal(predictions, logits.argmax(-1))
+    with pytest.raises(ValueError, match="predictions must be a contiguous int64 tensor shaped like targets"):
+        linear_cross_entropy(h, weight, targets, torch.empty(10, dtype=torch.long))
 
 
 @pytest.mark.parametrize("rows", [0, 1])
@@ -299,16 +306,17 @@ def test_fused_model_matches_reference(make_model, overrides, autocast, tol):
 
 @pytest.mark.parametrize("case", ["plain", "zero3", "deferred"])
 def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make_model, case):
-    """return_logits=False fuses the head into the loss, except under ZeRO-3 (a partitioned weight,
-    marked `ds_id`, is gathered only around the head's own forward) and when a routed layer reads the
-    final logits (early exit's deferred consistency loss): those compute the logits and the chunked loss."""
+    """return_logits=False fuses the head into the loss, also when a routed layer needs the final
+    prediction (early exit's deferred consistency loss: the fused loss reports each row's argmax),
+    except under ZeRO-3 (a partitioned weight, marked `ds_id`, is gathered only around the head's own
+    forward), which computes the logits and the chunked loss."""
     model, cfg = make_model(*(("routing.method=early_exit",) if case == "deferred" else ()))
     if case == "zero3":
         model.lm_head.weight.ds_id = 0
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
     out = model(tokens, tokens, options=ForwardOptions(return_logits=False))
     fused = type(out.lm_loss.grad_fn).__name__ == "_LinearCrossEntropyBackward"
-    assert out.logits is None and fused == (case == "plain")
+    assert out.logits is None and fused == (case != "zero3")
     reference = model(tokens, tokens)  # the returned-logits forward: the same loss either way
     torch.testing.assert_close(out.lm_loss, reference.lm_loss, rtol=1e-5, atol=1e-5)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.model import ForwardOptions
+from megaroute.model import ForwardOptions, transformer
 from megaroute.model.rope import Positions
 from megaroute.model.routing import EarlyExitLayer, RoutingContext, freeze_base
 
@@ -192,25 +192,21 @@ def test_training_runs_every_block_and_trains_heads_toward_consistency(make_mode
     assert all(g is None for g in torch.autograd.grad(lm, head_params, allow_unused=True))
 
 
-def test_model_forward_labels_against_its_final_prediction_once(make_model, monkeypatch):
-    """The model's own training forward (the head inside the loss is off: the labels need the final
-    prediction) gives the written-out consistency losses, with one argmax of the final logits for
-    every head (plus one per head's readout), not one per head."""
+@pytest.mark.parametrize("fused", [True, False], ids=["head-in-loss", "materialized-logits"])
+def test_model_forward_labels_against_its_final_prediction_once(make_model, monkeypatch, fused):
+    """The model's own training forward gives the written-out consistency losses (labels against
+    torch.argmax of the final logits). The final prediction is taken once for every head: by the
+    fused loss, which runs the head inside it and reports each row's argmax, or (the caller reads the
+    logits) once from them; the only other argmaxes are the heads' own readouts."""
     model, cfg = make_model(*EVERY, "routing.early_exit.loss_weight=0.5")
     spread_exits(model)
     tokens = tokens_for(cfg, 2, 16)
     _, ref = forward(model, tokens)
-    counted = {"max": 0}
-    original = torch.Tensor.max
-
-    def counting_max(self, *args, **kwargs):
-        counted["max"] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "max", counting_max)
-    out = model(tokens, tokens, options=ForwardOptions(return_logits=False))
-    monkeypatch.undo()
-    assert counted["max"] == len(heads(model)) + 1
+    calls = []
+    monkeypatch.setattr(transformer, "parallel_argmax", lambda logits, group: calls.append(1) or logits.argmax(-1))
+    out = model(tokens, tokens, options=ForwardOptions(return_logits=not fused))
+    assert (type(out.lm_loss.grad_fn).__name__ == "_LinearCrossEntropyBackward") == fused
+    assert len(calls) == len(heads(model)) + (not fused)
     assert set(out.aux_losses) == set(ref.aux_losses) == {f"layer_{i}/exit_bce" for i in heads(model)}
     for name, loss in ref.aux_losses.items():
         torch.testing.assert_close(out.aux_losses[name], loss, rtol=0, atol=0)
