@@ -2,6 +2,7 @@
 
     chunked_cross_entropy(logits, targets)           mean CE of materialized logits [..., V]
     linear_cross_entropy(h, weight, targets)         mean CE of h @ weight^T, the LM head run inside it
+    linear_argmax(h, weight)                         argmax of h @ weight^T per row, without the logits
 
 Both compute what F.cross_entropy(logits.float(), targets) computes (IGNORE_INDEX rows excluded
 from the sum and the count). The fused one (`ForwardOptions(return_logits=False)`, the training
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..kernels import cpu
+from ..parallel import parallel_argmax
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
 # Logits per matmul chunk (16 MB in float32), and at least CE_CHUNK_MIN_ROWS rows whatever the
@@ -146,10 +148,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     it). When h or weight needs a gradient, the same buffer then becomes the gradient of the mean
     loss, (softmax - onehot) / count (zero for ignored rows). `predictions` (an int64 [N] tensor, or
     None) receives each row's argmax token from the same logits, before they are overwritten: the
-    model's prediction, for callers that need it without the logits (early exit's labels). Float32: the logits come a chunk of rows
-    (CE_CHUNK_ELEMENTS) at a time from one matmul into one reused buffer, and the head's backward
-    matmuls run per chunk (grad_h rows = g @ weight, grad_weight += g^T @ h rows, accumulated in
-    float32). 16-bit with a gradient: the logits come from one whole [N, V] matmul, each tile's
+    model's prediction, for callers that need it without the logits (early exit's labels).
+    Float32: the logits come a chunk of rows (CE_CHUNK_ELEMENTS) at a time from one matmul into one
+    reused buffer, and the head's backward matmuls run per chunk (grad_h rows = g @ weight,
+    grad_weight += g^T @ h rows, accumulated in float32). 16-bit with a gradient: the logits come from one whole [N, V] matmul, each tile's
     gradient is rounded once to `dtype` into its rows, and the two backward matmuls run whole on that
     buffer, as autograd's would (per-chunk 16-bit partials of grad_weight would round once per chunk;
     the mixed-dtype accumulation also cost more). Without a gradient, a chunk of logits at a time in
@@ -223,6 +225,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute h's logits in here: autocast's lower precision, else h's."""
+    if torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(h.device.type)
+    return h.dtype
+
+
+@torch.no_grad()
+def linear_argmax(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The argmax token of logits h @ weight^T (h [..., D], weight [V, D], no bias) per position, in
+    the dtype F.linear would use here, a chunk of rows (chunk_rows) at a time into one reused buffer:
+    no [N, V] logits (early exit's readouts; torch.argmax's index, parallel_argmax per chunk)."""
+    flat = h.reshape(-1, h.shape[-1])
+    dtype = _compute_dtype(h)
+    with torch.autocast(h.device.type, enabled=False):
+        hc, wc = flat.to(dtype), weight.to(dtype)
+        N, V = flat.shape[0], weight.shape[0]
+        rows = chunk_rows(N, V)
+        out = torch.empty(N, dtype=torch.long, device=h.device)
+        buf = torch.empty(rows, V, dtype=dtype, device=h.device)
+        for s in range(0, N, rows):
+            e = min(N, s + rows)
+            out[s:e] = parallel_argmax(torch.mm(hc[s:e], wc.t(), out=buf[:e - s]))
+    return out.view(h.shape[:-1])
+
+
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          predictions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean cross-entropy of logits h @ weight^T (h [..., D], weight [V, D], no bias) against
@@ -234,8 +262,5 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                         and predictions.shape == targets.shape):
         raise ValueError(f"linear_cross_entropy: predictions must be a contiguous int64 tensor shaped like targets "
                          f"{tuple(targets.shape)}, got {predictions.dtype} {tuple(predictions.shape)}")
-    dtype = h.dtype
-    if torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        dtype = torch.get_autocast_dtype(h.device.type)
-    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, dtype,
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, _compute_dtype(h),
                                      None if predictions is None else predictions.view(-1))

@@ -34,7 +34,8 @@ from ..parallel import (ColumnParallelLinear, TensorParallelModule, VocabParalle
 from ..parallel.mappings import Group
 from .block import TransformerBlock
 from .cache import KVCache
-from .lm_loss import IGNORE_INDEX, chunked_cross_entropy, linear_cross_entropy  # noqa: F401 (IGNORE_INDEX: public)
+from .lm_loss import (IGNORE_INDEX, chunked_cross_entropy, linear_argmax,  # noqa: F401 (IGNORE_INDEX: public)
+                      linear_cross_entropy)
 from .norm import RMSNorm
 from .rope import Positions, RotaryEmbedding
 from .routing import DenseLayer, RoutingContext, build_layer
@@ -189,19 +190,17 @@ class Transformer(nn.Module):
                              record=o.record_decisions, calibrate=o.calibrate)
         # Layer names are ours ("layer_<i>"), so a routed layer can ask for "the rest of the network after me".
         ctx.run_suffix = lambda after, h, force: self._suffix_loss(int(after.rsplit("_", 1)[1]), h, pos, targets, force)
-        ctx.predict = lambda h: parallel_argmax(self.lm_head(self.norm(h)), self.tp_group)  # early-exit labels
+        ctx.predict = self._predict  # early-exit labels
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, pos if cache is None else pos.with_kv(cache.layers[i]), ctx, f"layer_{i}")
         if cache is not None:
             cache.seen = start + T
         h = self.norm(x)
-        local = self.fused and h.device.type == "cpu" and tp_size(self.tp_group) == 1
-        # The head inside the loss unless the caller reads the logits, and not under ZeRO-3, which
-        # gathers a partitioned weight (`ds_id`) only around its own module's forward. Deferred uses
-        # (early exit's labels) need only the final prediction, which the fused loss reports.
-        fused_head = (local and targets is not None and not o.return_logits
-                      and self.lm_head.bias is None and not hasattr(self.lm_head.weight, "ds_id"))
+        local = self._local_loss(h)
+        # The head inside the loss unless the caller reads the logits. Deferred uses (early exit's
+        # labels) need only the final prediction, which the fused loss reports.
+        fused_head = self._head_inside(h) and targets is not None and not o.return_logits
         wanted = o.return_logits or (not fused_head and (targets is not None or bool(ctx.deferred)))
         logits = self.lm_head(h) if wanted else None
         predictions = torch.empty(targets.shape, dtype=torch.long, device=h.device) if fused_head and ctx.deferred \
@@ -232,6 +231,21 @@ class Transformer(nn.Module):
             aux = ctx.total_aux_loss()
             out.loss = out.lm_loss if aux is None else out.lm_loss + aux
         return out
+
+    def _local_loss(self, h: torch.Tensor) -> bool:
+        """The loss runs locally a chunk at a time (model/lm_loss.py): CPU, fused math, no TP."""
+        return self.fused and h.device.type == "cpu" and tp_size(self.tp_group) == 1
+
+    def _head_inside(self, h: torch.Tensor) -> bool:
+        """The LM head may run inside lm_loss's chunked functions: a local loss, no bias, and not under
+        ZeRO-3, which gathers a partitioned weight (`ds_id`) only around its own module's forward."""
+        return self._local_loss(h) and self.lm_head.bias is None and not hasattr(self.lm_head.weight, "ds_id")
+
+    def _predict(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax token of the final norm and LM head at hidden states h [B, T, D] (no grad)."""
+        if self._head_inside(h):
+            return linear_argmax(self.norm(h), self.lm_head.weight)
+        return parallel_argmax(self.lm_head(self.norm(h)), self.tp_group)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))

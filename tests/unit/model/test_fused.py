@@ -142,6 +142,25 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
         linear_cross_entropy(h, weight, targets, torch.empty(10, dtype=torch.long))
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "eager"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                            (torch.float64, False)])
+def test_linear_argmax_is_the_argmax_of_linear(monkeypatch, dtype, autocast, kernels):
+    """The head's argmax a chunk of rows at a time (chunks of 4 of 10 rows here) equals
+    F.linear(h, weight).argmax(-1) in the dtype F.linear computes in, under autocast too; no grad."""
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 1)
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors, **options: None)
+    h = torch.randn(2, 5, 6, dtype=dtype, requires_grad=True)
+    weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        predictions = lm_loss.linear_argmax(h, weight)
+        expected = F.linear(h, weight).argmax(-1)
+    assert predictions.shape == (2, 5) and not predictions.requires_grad
+    assert torch.equal(predictions, expected)
+
+
 @pytest.mark.parametrize("rows", [0, 1])
 def test_linear_cross_entropy_weight_gradient_of_one_chunk_or_none(rows):
     """The head's weight gradient is written by the first chunk's matmul (no zero fill): one chunk,

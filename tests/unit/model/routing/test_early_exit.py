@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.model import ForwardOptions, transformer
+from megaroute.model import ForwardOptions, lm_loss, transformer
 from megaroute.model.rope import Positions
 from megaroute.model.routing import EarlyExitLayer, RoutingContext, freeze_base
 
@@ -197,16 +197,28 @@ def test_model_forward_labels_against_its_final_prediction_once(make_model, monk
     """The model's own training forward gives the written-out consistency losses (labels against
     torch.argmax of the final logits). The final prediction is taken once for every head: by the
     fused loss, which runs the head inside it and reports each row's argmax, or (the caller reads the
-    logits) once from them; the only other argmaxes are the heads' own readouts."""
+    logits) once from them; the only other argmaxes are the heads' own readouts, each a chunk of
+    rows at a time (lm_loss.linear_argmax), with no [N, V] logits of their own."""
     model, cfg = make_model(*EVERY, "routing.early_exit.loss_weight=0.5")
     spread_exits(model)
     tokens = tokens_for(cfg, 2, 16)
     _, ref = forward(model, tokens)
     calls = []
-    monkeypatch.setattr(transformer, "parallel_argmax", lambda logits, group: calls.append(1) or logits.argmax(-1))
+
+    def counted_argmax(logits, group=None):
+        calls.append(logits.shape)
+        return logits.argmax(-1)
+
+    for module in (transformer, lm_loss):  # the final prediction's, and the heads' readouts' (lm_loss.linear_argmax)
+        monkeypatch.setattr(module, "parallel_argmax", counted_argmax)
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 8 * cfg.model.vocab_size)  # chunks of 8 of the 32 rows
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 1)
     out = model(tokens, tokens, options=ForwardOptions(return_logits=not fused))
     assert (type(out.lm_loss.grad_fn).__name__ == "_LinearCrossEntropyBackward") == fused
-    assert len(calls) == len(heads(model)) + (not fused)
+    V = cfg.model.vocab_size
+    readouts = [shape for shape in calls if len(shape) == 2]
+    assert readouts == [(8, V)] * 4 * len(heads(model))  # each head's readout: 4 chunks of 8 rows
+    assert len(calls) - len(readouts) == (not fused)  # the final prediction from the logits, once
     assert set(out.aux_losses) == set(ref.aux_losses) == {f"layer_{i}/exit_bce" for i in heads(model)}
     for name, loss in ref.aux_losses.items():
         torch.testing.assert_close(out.aux_losses[name], loss, rtol=0, atol=0)
