@@ -151,11 +151,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     model's prediction, for callers that need it without the logits (early exit's labels).
     Float32: the logits come a chunk of rows (CE_CHUNK_ELEMENTS) at a time from one matmul into one
     reused buffer, and the head's backward matmuls run per chunk (grad_h rows = g @ weight,
-    grad_weight += g^T @ h rows, accumulated in float32). 16-bit with a gradient: the logits come from one whole [N, V] matmul, each tile's
-    gradient is rounded once to `dtype` into its rows, and the two backward matmuls run whole on that
-    buffer, as autograd's would (per-chunk 16-bit partials of grad_weight would round once per chunk;
-    the mixed-dtype accumulation also cost more). Without a gradient, a chunk of logits at a time in
-    16 bits too.
+    grad_weight += g^T @ h rows, accumulated in float32). 16-bit with a gradient: the logits come
+    from one whole [N, V] matmul, each tile's gradient is rounded once to `dtype` into its rows, and
+    the two backward matmuls run whole on that buffer, as autograd's would (per-chunk 16-bit partials
+    of grad_weight would round once per chunk; the mixed-dtype accumulation also cost more). Without
+    a gradient, a chunk of logits at a time in 16 bits too.
     With the fused CPU kernels (kernels/cpu.py; float32 / bf16 logits) a chunk's softmax passes are one
     call, per row: its max, exp(logit - max) into a float32 scratch row and its sum, the loss and the
     gradient written back (the bf16 loss + head: 44.7 -> 40.0 ms forward + backward at nanoGPT's shape,
