@@ -56,8 +56,9 @@ def run(args) -> int:
     data_hash = check_data(args.data_dir or run_cfg.data.output_dir, args.data,
                            "--data-dir" if args.data_dir else "the run's data.output_dir")
     audited = run_cfg or checkpoint_config(args.checkpoint)
-    if args.data_dir:  # a run's own data.output_dir holds the tokenizer it was trained with
-        check_tokenizer("the audited checkpoint", args.checkpoint, audited, data_hash)
+    # Also without --data-dir: the run's data.output_dir may have been re-prepared since its checkpoint
+    # recorded the tokenizer it was trained with.
+    check_tokenizer("the audited checkpoint", args.checkpoint, audited, data_hash)
     if args.reference:
         check_reference(args.reference, audited, data_hash)
     uri = args.mlflow_uri or (config_uri(run_cfg) if run_cfg else None)

@@ -204,6 +204,10 @@ def test_audit_refuses_a_reference_that_is_routed_or_of_another_vocabulary_token
     for name in ("tokenizer", "recorded"):
         rc = main(["audit", refs[name], "--data-dir", data, "--tokens", "64", "--out", str(tmp_path / "r")])
         assert rc == 2 and "the audited checkpoint" in capsys.readouterr().err, name
+    # and against its own data directory, re-prepared with another tokenizer since it was trained
+    rc = main(["audit", refs["recorded"], "--tokens", "64", "--out", str(tmp_path / "r")])
+    assert rc == 2 and "the audited checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
     rc = main(["audit", audited, "--reference", refs["dense"], "--tokens", "64", "--out", str(tmp_path / "ok")])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "ok" / "audit.json").is_file()
