@@ -59,9 +59,19 @@ class CapacityBaselineLayer(nn.Module):
                 return dispatch.mask_indices(torch.rand(B, T, device=x.device) < k / T)
             return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
         # Positional rules read each token's own (original) position: causal in every mode.
+        if pos.start is not None:
+            return self._columns(pos.start, T, k, x.device).expand(B, -1), None
         p = pos.positions
         mask = (p % self.stride == self.stride - 1) if self.method == "stride" else (p < k)
         return dispatch.mask_indices(mask)
+
+    def _columns(self, start: int, T: int, k: int, device: torch.device) -> torch.Tensor:
+        """The selected columns when every row holds positions start, start + 1, ... (pos.start):
+        the same in each row and known on the host, so no count is read back from the device (a
+        host sync per layer on a GPU) and the fixed-k padded path runs, not the ragged one."""
+        if self.method == "stride":
+            return torch.arange(min(T, (self.stride - 1 - start) % self.stride), T, self.stride, device=device)
+        return torch.arange(0, min(T, max(0, k - start)), device=device)
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         T = x.shape[1]

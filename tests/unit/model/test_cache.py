@@ -85,8 +85,8 @@ def test_in_order_layers_skip_the_mask_and_match_the_masked_path(make_model):
     assert all(stored[i] == TOTAL for i in range(cfg.model.n_layers) if not cfg.routing.is_routed(i))
 
 
-@pytest.mark.parametrize("method,mode", [("mod", "causal"), ("stride", "causal"), ("halting", "hard"),
-                                         ("depth_gate", "causal")])
+# stride is not here: with rows in order it picks its columns on the host (test_baselines)
+@pytest.mark.parametrize("method,mode", [("mod", "causal"), ("halting", "hard"), ("depth_gate", "causal")])
 @torch.no_grad()
 def test_one_token_gpu_steps_decode_alike_without_a_sync(make_model, monkeypatch, method, mode):
     """On a GPU a one-token step does not size a routed layer's work by reading its decision on the
@@ -108,5 +108,5 @@ def test_one_token_gpu_steps_decode_alike_without_a_sync(make_model, monkeypatch
     assert any(forced) and cache.stored_tokens() == synced.stored_tokens()
     # the padded rows are stored (as non-keys): a routed layer holds one row per decoded token
     assert all(len(a) >= len(b) for a, b in zip(cache.layers, synced.layers))
-    if method in ("mod", "stride"):  # capacity 0.5: some step skips a routed layer in all three rows
+    if method == "mod":  # capacity 0.5: some step skips a routed layer in all three rows
         assert any(len(a) > len(b) for a, b in zip(cache.layers, synced.layers))

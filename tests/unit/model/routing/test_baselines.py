@@ -7,7 +7,7 @@ import torch
 
 from megaroute.kernels import reference
 from megaroute.model.rope import Positions
-from megaroute.model.routing import CapacityBaselineLayer, DenseLayer, RoutingContext, dispatch, freeze_base
+from megaroute.model.routing import CapacityBaselineLayer, DenseLayer, RoutingContext, dispatch, freeze_base, ragged
 
 from .routing_checks import assert_causal, op_counts, record_updates, rows, tokens_for
 from megaroute.model import ForwardOptions
@@ -107,6 +107,34 @@ def test_first_k_positions(make_model, monkeypatch, mode, T, capacity):
     k = dispatch.capacity_k(T, capacity)
     for i in (1, 3):
         assert selected_positions(calls, i).tolist() == [list(range(k))] * 2
+
+
+@pytest.mark.parametrize("method", ["stride", "first_k"])
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_in_order_positions_select_on_the_host(make_model, monkeypatch, method, mode):
+    """Rows at positions 0, 1, ... (no ForwardOptions.positions): the positional rules pick the same
+    columns without a mask whose counts are read back (a host sync per routed layer on a GPU), through
+    the fixed-k padded path, not the ragged one; stride decodes that way token by token too."""
+    model, cfg = make_model(*baseline(method, 0.3))
+    model.eval()
+    B, T = 3, 13
+    tokens = tokens_for(cfg, B, T)
+    explicit = model(tokens, tokens, options=ForwardOptions(mode=mode, positions=torch.arange(T).expand(B, T)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("in-order positions went through a mask")
+
+    monkeypatch.setattr(dispatch, "mask_indices", refuse)
+    monkeypatch.setattr(ragged, "index_rows", refuse)
+    out = model(tokens, tokens, options=ForwardOptions(mode=mode))
+    torch.testing.assert_close(out.logits, explicit.logits, rtol=1e-5, atol=1e-6)
+    for i in (1, 3):
+        key = f"layer_{i}/selected_frac"
+        assert out.routing_stats[key].item() == explicit.routing_stats[key].item()
+    if method == "stride" and mode == "causal":
+        cache = model.new_cache()
+        steps = [model(tokens[:, t:t + 1], options=ForwardOptions(mode=mode, cache=cache)).logits for t in range(T)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), explicit.logits, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- compute semantics
