@@ -101,6 +101,27 @@ def test_report_figures_mean_their_labels():
     assert "dense+compile vs eager dense: median 1.200x; min 1.200x faster" in out
 
 
+def test_cuda_report_puts_each_variant_beside_its_flops_share():
+    steps = {"dense": [{"forward": 0.02, "backward": 0.04, "optimizer": 0.004}] * 3,
+             "mod": [{"forward": 0.025, "backward": 0.03, "optimizer": 0.004}] * 3,
+             "reference": [{"forward": 0.03, "backward": 0.05, "optimizer": 0.008}] * 3,
+             "gpt2": [{"forward": 0.016, "backward": 0.032, "optimizer": 0.002}] * 3,
+             "early_exit": [{"forward": 0.03, "backward": 0.04, "optimizer": 0.002}] * 3}
+    flops = {"dense": 1e9, "mod": 0.62e9, "reference": 1e9, "gpt2": 1e9, "early_exit": 1.4e9}
+    out = step.report_cuda("bf16", batch=2, seq_len=500, times=steps, flops=flops, peak=100.0, matmul=80.0)
+    # dense: 1000 tokens x 1 GFLOP in 64 ms = 15.6 TFLOP/s = 15.6% of 100
+    assert "  dense      step     64.0 ms     15,625 tokens/s    15.6 TFLOP/s  MFU  15.6%" in out
+    # mod: 59 / 64 = 0.922 of dense's time for 0.62 of its FLOPs = 1.49x its share
+    assert "FLOPs/dense 0.620, step/dense 0.922 = 1.49x its FLOPs share" in out
+    assert "  early_exit step     72.0 ms" in out and "FLOPs/dense 1.400, step/dense 1.125 = 0.80x" in out
+    assert "dense step vs reference (today's step): 1.375x faster" in out
+    assert "dense step / gpt2 step (nanoGPT's architecture, FLOPs ratio 1.000): 1.280" in out
+    assert "vs FLOPs ratio 0.620: 1.49 x (target <= 1.05) MISSED" in out
+    assert "target" not in out.replace("(target <= 1.05) MISSED", "")  # only MoD's target is judged on CUDA
+    only = step.report_cuda("bf16", 2, 500, {"gpt2": steps["gpt2"]}, flops, None, 80.0)
+    assert "MFU    n/a" in only and "FLOPs/dense" not in only and "dense step" not in only
+
+
 def test_step_benchmark_variant_selection(capsys, small_shape):
     assert step.main(["--variants", "dense", "halting", "--steps", "1", "--warmup", "0", "--batch", "1",
                       "--seq-len", "16", "--precision", "fp32", "--threads", "1", "--peak-size", "64"]) == 0
