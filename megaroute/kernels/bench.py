@@ -121,9 +121,15 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     # alternative `auto` chooses between; combine's backward is autograd's through it.
     g_req, delta_req = g.detach().requires_grad_(), delta.detach().requires_grad_()
     ref_out = ref.combine(x, idx, g_req, delta_req)
+    x_req, grad_sel = x.detach().requires_grad_(), torch.randn_like(delta)
+    ref_gathered = ref.gather(x_req, idx)
     # name: (fused, unfused chain, torch backend or None where it is the unfused chain, bytes to move)
     cases = {
         "gather": (lambda: ops.gather(x, idx), lambda: unfused["gather"](x, idx), None, 2 * B * k * D * es),
+        # _Gather.backward: a zeroed x-shaped gradient, the selected rows written into it
+        "gather bwd": (lambda: ops.tk.scatter_rows(grad_sel, idx, x.new_zeros(x.shape)),
+                       lambda: torch.autograd.grad(ref_gathered, x_req, grad_sel, retain_graph=True), None,
+                       (B * T * D + 2 * B * k * D) * es),
         "combine fwd": (lambda: ops.combine(x, idx, g, delta), lambda: unfused["combine"](x, idx, g, delta),
                         lambda: ref.combine(x, idx, g, delta), (2 * B * T * D + B * k * D) * es),
         "combine bwd": (lambda: ops.tk.combine_bwd(combine_out, idx, g, delta, need_grad_g=True),

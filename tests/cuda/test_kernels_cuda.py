@@ -146,7 +146,7 @@ def test_bandwidth_benchmark_reports_every_op_against_peak(capsys):
                        "--dtype", "bfloat16", "float16", "float32"]) == 0
     out = capsys.readouterr().out
     assert "peak" in out and "measured copy" in out
-    for op in ("gather", "combine fwd", "combine bwd", "permute", "unpermute"):
-        assert out.count(f"  {op} ") == 6, op  # two widths x three dtypes
-    assert out.count("vs dispatch=torch") == 30  # each op also against what routing.dispatch=torch runs
+    for op in ("gather", "gather bwd", "combine fwd", "combine bwd", "permute", "unpermute"):
+        assert out.count(f"  {op:12s} ") == 6, op  # two widths x three dtypes
+    assert out.count("vs dispatch=torch") == 36  # each op also against what routing.dispatch=torch runs
     assert "nan" not in out.split("\n", 1)[0]  # the peak bandwidth is known (table or device query)
