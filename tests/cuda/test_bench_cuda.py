@@ -43,11 +43,12 @@ def _known_gpu() -> bool:
         return False
 
 
-@pytest.mark.parametrize("name", ["dense", "mod"])
+@pytest.mark.parametrize("name", ["dense", "mod", "random", "stride", "first_k"])
 def test_training_step_waits_for_the_gpu_only_in_the_optimizer(name):
     """The one host sync a step needs is GuardedAdamW's skip decision (.item()): the model's forward
     and backward, routing glue included, never make the CPU wait (on an H100, mod_157m's step once
-    synchronized in every routed layer). host_report names each sync's megaroute call site."""
+    synchronized in every routed layer, and stride / first_k read their selection's size back in
+    every routed layer: 33 syncs a step). host_report names each sync's megaroute call site."""
     trainer = step.make_trainer(step.VARIANTS[name], "bf16", batch=2, seq_len=64, device="cuda")
     trainer.step()  # first-step allocations, kernel compilation
     report = step.host_report(trainer)
