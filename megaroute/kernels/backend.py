@@ -26,7 +26,9 @@ from . import reference
 BACKENDS = ("auto", "torch", "triton")
 DISPATCH_OPS = ("gather", "combine", "permute", "unpermute", "permute_groups", "unpermute_groups")
 # On an H100 (kernels.bench, bf16, B 8, T 2048, k 256) torch's gather took 0.4-0.7x the Triton
-# gather's time at D 1024, 2048 and 4096; the other kernels were as fast as the PyTorch path or faster.
+# gather's time at D 1024, 2048 and 4096 (means); by medians, in a later session, the Triton gather's
+# time swung 4-8x between runs and torch's did not. The other kernels were as fast as the PyTorch
+# path or faster.
 AUTO_TORCH_OPS = ("gather",)
 
 
