@@ -5,6 +5,7 @@
     python -m megaroute.bench.step --variants dense mod --compile     # eager vs torch.compile'd blocks
     python -m megaroute.bench.step --device cuda [--shape 157m --batch 8 16 --seq-len 1024]
     python -m megaroute.bench.step --device cuda --config configs/dense_350m.yaml configs/mod_350m.yaml
+    python -m megaroute.bench.step --device cuda --variants dense gpt2 --profile   # where the gap is, op by op
 
 Times full training steps (forward + backward + AdamW step) of each variant and prints, per
 precision: the median (and best) step time, step/dense beside the analytic FLOPs share
@@ -72,9 +73,10 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ..argtypes import non_negative_int, positive_float, positive_int
@@ -307,10 +309,16 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     return times, peaks
 
 
+class Profiled(NamedTuple):
+    table: str  # torch.profiler's operator table (plus, on CUDA, host_report)
+    ops: dict[str, tuple[float, float]]  # op_times
+
+
 def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
-                  shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None, name: str = "mod") -> str:
+                  shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None,
+                  name: str = "mod") -> Profiled:
     """Operator table (self CPU time; self device time on CUDA) of training steps of variant `name`,
-    to see where time goes."""
+    to see where time goes, and its op_times for profile_diff."""
     trainer = variant_trainer(name, shape or SHAPE, routing or VARIANTS["mod"], precision, batch, seq_len, device)
     trainer.step()  # warm up allocator and kernels (and compile) outside the profile
     cuda = torch.device(device).type == "cuda"
@@ -318,9 +326,46 @@ def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows
     with profile(activities=activities) as prof:
         for _ in range(steps):
             trainer.step()
-    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
-    return table + ("\n" + host_report(trainer) if cuda else "")
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    return Profiled(table + ("\n" + host_report(trainer) if cuda else ""), op_times(averages, steps, cuda))
+
+
+def op_times(averages, steps: int, cuda: bool) -> dict[str, tuple[float, float]]:
+    """op -> (self time per step in ms, calls per step), from profiler key averages. Host-side events
+    only (operators, autograd nodes, record_function ranges): on CUDA each kernel's device time counts
+    once, for the operator that launched it (self_device_time), where the kernel rows and the device
+    copies of record_function ranges would count it again; on CPU self CPU time."""
+    out = {}
+    for e in averages:
+        if e.device_type == DeviceType.CPU:
+            us = e.self_device_time_total if cuda else e.self_cpu_time_total
+            out[e.key] = (us / 1e3 / steps, e.count / steps)
+    return out
+
+
+def profile_diff(ops: dict[str, dict[str, tuple[float, float]]], base: str = "dense", rows: int = 20) -> str:
+    """Each profiled variant against `base`, op by op (op_times of each): the `rows` ops whose time
+    per step differs most, then the sums over all ops. Says where one variant's step time goes that
+    the other's does not (the dense vs gpt2 gap, a routed method's glue)."""
+    if base not in ops:
+        return f"(no {base} variant profiled to compare against)"
+    lines = []
+    for name, mine in ops.items():
+        if name == base:
+            continue
+        theirs = ops[base]
+        keys = sorted(set(mine) | set(theirs),
+                      key=lambda k: -abs(mine.get(k, (0.0, 0.0))[0] - theirs.get(k, (0.0, 0.0))[0]))
+        width = max(24, *(len(k) for k in keys[:rows]))
+        lines += [f"{name} against {base}, ms per step (calls per step), the {min(rows, len(keys))} largest differences:",
+                  f"  {'op':<{width}} {base:>18} {name:>18} {'difference':>10}"]
+        for k in keys[:rows]:
+            (a, na), (b, nb) = theirs.get(k, (0.0, 0.0)), mine.get(k, (0.0, 0.0))
+            lines.append(f"  {k:<{width}} {f'{a:.2f} ({na:g})':>18} {f'{b:.2f} ({nb:g})':>18} {b - a:+10.2f}")
+        total_a, total_b = (sum(t for t, _ in d.values()) for d in (theirs, mine))
+        lines.append(f"  {'sum over all ops':<{width}} {total_a:18.2f} {total_b:18.2f} {total_b - total_a:+10.2f}")
+    return "\n".join(lines)
 
 
 def host_report(trainer: Trainer) -> str:
@@ -536,10 +581,14 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
                 continue
             print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
             if args.profile:
+                ops = {}
                 for name, (shape, routing) in variants.items():
                     print(f"\n[{precision}] profile of {name} steps (device time per op; host time and syncs)")
-                    print(profile_steps(precision, batch, args.seq_len, device="cuda", shape=shape, routing=routing,
-                                        name=name))
+                    profiled = profile_steps(precision, batch, args.seq_len, device="cuda", shape=shape,
+                                             routing=routing, name=name)
+                    print(profiled.table)
+                    ops[name] = profiled.ops
+                print(f"\n[{precision}] device time per op, each variant against dense\n" + profile_diff(ops))
     if args.sample:
         dtype = AMP_DTYPES.get(args.precision[0], torch.float32)
         print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
@@ -596,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                              "`<variant>+compile` (train.compile: true)")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler tables of each variant's steps (CUDA: with the host's issue "
-                             "time per phase and the step's host syncs, by call site)")
+                             "time per phase and the step's host syncs, by call site), then each variant against "
+                             "dense op by op: the ops whose time per step differs most")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if args.clock == "thread" and (args.threads != 1 or cuda):
@@ -657,9 +707,13 @@ def main(argv: list[str] | None = None) -> int:
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
             print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target), flush=True)
             if args.profile:
+                ops = {}
                 for name, (s, r) in variants.items():
                     print(f"\n[{precision}] profile of {name} steps (wall time per op)")
-                    print(profile_steps(precision, batch, args.seq_len, shape=s, routing=r, name=name))
+                    profiled = profile_steps(precision, batch, args.seq_len, shape=s, routing=r, name=name)
+                    print(profiled.table)
+                    ops[name] = profiled.ops
+                print(f"\n[{precision}] CPU time per op, each variant against dense\n" + profile_diff(ops))
     return 0
 
 

@@ -41,6 +41,46 @@ def test_step_benchmark_runs_and_reports(capsys, small_shape):
     assert "allocator: " in out  # CPU step times depend on it
 
 
+def test_profile_prints_each_variant_against_dense_op_by_op(capsys, small_shape):
+    assert step.main(["--variants", "dense", "gpt2", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "16",
+                      "--precision", "fp32", "--threads", "1", "--peak-size", "64", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "profile of dense steps" in out and "profile of gpt2 steps" in out
+    diff = out.split("CPU time per op, each variant against dense\n", 1)[1]
+    lines = diff.splitlines()
+    assert lines[0] == "gpt2 against dense, ms per step (calls per step), the 20 largest differences:"
+    assert lines[22].startswith("  sum over all ops ")
+    rows = [line.split() for line in lines[2:22]]
+    assert all(row[-1][0] in "+-" for row in rows)
+    assert [abs(float(row[-1])) for row in rows] == sorted((abs(float(row[-1])) for row in rows), reverse=True)
+
+
+def test_op_times_count_each_kernel_once_and_diff_sorts_by_difference():
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, cpu_us, device_us, count):
+        return type("Avg", (), dict(key=key, device_type=device_type, self_cpu_time_total=cpu_us,
+                                    self_device_time_total=device_us, count=count))()
+
+    averages = [event("aten::mm", DeviceType.CPU, 900.0, 6000.0, 6),
+                event("nvjet_kernel", DeviceType.CUDA, 0.0, 6000.0, 6),  # the same time, as a kernel row
+                event("Optimizer.step#AdamW.step", DeviceType.CPU, 300.0, 30.0, 2),
+                event("Optimizer.step#AdamW.step", DeviceType.CUDA, 0.0, 900.0, 2)]  # its device-side range
+    cuda = step.op_times(averages, steps=2, cuda=True)
+    assert cuda == {"aten::mm": (3.0, 3.0), "Optimizer.step#AdamW.step": (0.015, 1.0)}
+    assert step.op_times(averages, steps=2, cuda=False)["aten::mm"] == (0.45, 3.0)
+    ops = {"dense": {"aten::mm": (3.0, 3.0), "aten::mul": (1.0, 4.0)},
+           "gpt2": {"aten::mm": (2.9, 3.0), "aten::gelu": (0.5, 2.0)}}
+    out = step.profile_diff(ops)
+    lines = out.splitlines()
+    assert lines[0] == "gpt2 against dense, ms per step (calls per step), the 3 largest differences:"
+    assert [line.split()[0] for line in lines[2:5]] == ["aten::mul", "aten::gelu", "aten::mm"]
+    assert lines[2].split()[-1] == "-1.00" and lines[3].split()[-1] == "+0.50"
+    assert "1.00 (4)" in lines[2] and "0.00 (0)" in lines[2]
+    assert lines[-1].split()[-3:] == ["4.00", "3.40", "-0.60"]
+    assert step.profile_diff({"gpt2": ops["gpt2"]}) == "(no dense variant profiled to compare against)"
+
+
 def test_allocator_label_names_what_serves_the_step():
     assert "glibc malloc defaults" in step.allocator_label({})
     assert step.allocator_label({"MALLOC_TRIM_THRESHOLD_": "64", "MALLOC_TOP_PAD_": "8", "PATH": "/bin"}) == \
