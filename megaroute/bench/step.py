@@ -664,12 +664,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--precision fp16 is for CUDA (CPU autocast runs bf16)")
         args.precision = args.precision or ["fp32", "bf16"]
         args.batch = args.batch or [8]
-    if args.variants and "dense" not in args.variants:
-        parser.error("--variants must include dense (ratios are to dense)")
     try:
         variants = resolve_variants(args.variants, args.shape or ("157m" if cuda else "small"), args.config, args.device)
     except ConfigError as e:
         parser.error(str(e))
+    if args.variants and "dense" not in variants:  # a dense --config counts: its variant is dense
+        parser.error("--variants must include dense (ratios are to dense), or --config a dense model")
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")

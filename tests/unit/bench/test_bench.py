@@ -169,6 +169,14 @@ def test_step_benchmark_variant_selection(capsys, small_shape):
     assert "\n  halting " in out and "\n  mod " not in out and "vs reference" not in out
     with pytest.raises(SystemExit):
         step.main(["--variants", "mod"])  # ratios need dense
+    # ... which a dense --config supplies: the named variants run on its shape
+    tiny = str(step.CONFIGS / "tiny.yaml")
+    assert step.main(["--config", tiny, "--variants", "stride", "--steps", "1", "--warmup", "0", "--batch", "1",
+                      "--seq-len", "16", "--precision", "fp32", "--threads", "1", "--peak-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "d_model 128" in out and "\n  dense " in out and "\n  stride " in out
+    with pytest.raises(SystemExit):
+        step.main(["--config", str(step.CONFIGS / "tiny_mod.yaml"), "--variants", "stride"])
 
 
 def test_default_length_fits_the_models_compared(capsys, small_shape):
