@@ -350,22 +350,35 @@ def profile_diff(ops: dict[str, dict[str, tuple[float, float]]], base: str = "de
     the other's does not (the dense vs gpt2 gap, a routed method's glue)."""
     if base not in ops:
         return f"(no {base} variant profiled to compare against)"
+    theirs, absent = ops[base], (0.0, 0.0)
     lines = []
     for name, mine in ops.items():
         if name == base:
             continue
-        theirs = ops[base]
-        keys = sorted(set(mine) | set(theirs),
-                      key=lambda k: -abs(mine.get(k, (0.0, 0.0))[0] - theirs.get(k, (0.0, 0.0))[0]))
+        keys = sorted(set(mine) | set(theirs), key=lambda k: -abs(mine.get(k, absent)[0] - theirs.get(k, absent)[0]))
         width = max(24, *(len(k) for k in keys[:rows]))
         lines += [f"{name} against {base}, ms per step (calls per step), the {min(rows, len(keys))} largest differences:",
                   f"  {'op':<{width}} {base:>18} {name:>18} {'difference':>10}"]
         for k in keys[:rows]:
-            (a, na), (b, nb) = theirs.get(k, (0.0, 0.0)), mine.get(k, (0.0, 0.0))
+            (a, na), (b, nb) = theirs.get(k, absent), mine.get(k, absent)
             lines.append(f"  {k:<{width}} {f'{a:.2f} ({na:g})':>18} {f'{b:.2f} ({nb:g})':>18} {b - a:+10.2f}")
         total_a, total_b = (sum(t for t, _ in d.values()) for d in (theirs, mine))
         lines.append(f"  {'sum over all ops':<{width}} {total_a:18.2f} {total_b:18.2f} {total_b - total_a:+10.2f}")
     return "\n".join(lines)
+
+
+def print_profiles(precision: str, batch: int, seq_len: int, variants: dict[str, tuple[ModelConfig, RoutingConfig]],
+                   device: str = "cpu") -> None:
+    """--profile: each variant's profile_steps table, then profile_diff of them all against dense."""
+    cuda = device == "cuda"
+    ops = {}
+    for name, (shape, routing) in variants.items():
+        what = "device time per op; host time and syncs" if cuda else "wall time per op"
+        print(f"\n[{precision}] profile of {name} steps ({what})")
+        profiled = profile_steps(precision, batch, seq_len, device=device, shape=shape, routing=routing, name=name)
+        print(profiled.table)
+        ops[name] = profiled.ops
+    print(f"\n[{precision}] {'device' if cuda else 'CPU'} time per op, each variant against dense\n" + profile_diff(ops))
 
 
 def host_report(trainer: Trainer) -> str:
@@ -581,14 +594,7 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
                 continue
             print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
             if args.profile:
-                ops = {}
-                for name, (shape, routing) in variants.items():
-                    print(f"\n[{precision}] profile of {name} steps (device time per op; host time and syncs)")
-                    profiled = profile_steps(precision, batch, args.seq_len, device="cuda", shape=shape,
-                                             routing=routing, name=name)
-                    print(profiled.table)
-                    ops[name] = profiled.ops
-                print(f"\n[{precision}] device time per op, each variant against dense\n" + profile_diff(ops))
+                print_profiles(precision, batch, args.seq_len, variants, device="cuda")
     if args.sample:
         dtype = AMP_DTYPES.get(args.precision[0], torch.float32)
         print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
@@ -707,13 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
             print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target), flush=True)
             if args.profile:
-                ops = {}
-                for name, (s, r) in variants.items():
-                    print(f"\n[{precision}] profile of {name} steps (wall time per op)")
-                    profiled = profile_steps(precision, batch, args.seq_len, shape=s, routing=r, name=name)
-                    print(profiled.table)
-                    ops[name] = profiled.ops
-                print(f"\n[{precision}] CPU time per op, each variant against dense\n" + profile_diff(ops))
+                print_profiles(precision, batch, args.seq_len, variants)
     return 0
 
 
