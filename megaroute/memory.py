@@ -31,12 +31,14 @@ Models", sec. 4), which differs from their 34*s*b*h: no dropout masks, flash att
 no T x T score matrix, SwiGLU, and no sequence parallelism. Per token of a block that processes
 it, in activation elements:
     replicated over TP: each of the two RMSNorms' input and output (the next matmul's
-                        input); the fused RMSNorms (apex on CUDA, norm.py's on CPU)
+                        input); the fused RMSNorms (apex or Triton on CUDA, norm.py's on CPU)
                         keep only these                                        = 4d
     TP-sharded:         rotated q, k and v (3d: the fused split+RoPE writes them fresh and keeps
                         no qkv), attention output and its reshaped copy (2d; where CPU
                         attention writes its rows [B, T, H, Dh] the reshape is a view: d,
-                        _attention_in_rows), gate|up (2f), silu(gate), product = 5d + 4f (or 4d + 4f)
+                        _attention_in_rows), gate|up (2f), silu(gate) (f; not on CUDA, where
+                        the Triton SwiGLU recomputes it in backward), product = 5d + 4f (or 4d + 4f;
+                        on CUDA 5d + 3f)
 CPU adds `cpu_activation_bytes` (bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
@@ -166,8 +168,10 @@ def activation_bytes(
 
     attn_out = 1 if _attention_in_rows(device, precision, T) else 2  # the output, and its reshaped copy
 
+    swiglu = 3 if device == "cuda" else 4  # gate|up, product and, but for the Triton kernel's, silu(gate)
+
     def block(n: int) -> float:  # elements saved by one transformer block on n tokens
-        return n * (4 * d + ((3 + attn_out) * d + 4 * f) / tp)
+        return n * (4 * d + ((3 + attn_out) * d + swiglu * f) / tp)
 
     spec = method_spec(routing.method)  # a routed block's terms: MethodSpec.activations
     # 16-bit through the PyTorch combine (CPU, or routing.dispatch torch): g * delta is multiplied in

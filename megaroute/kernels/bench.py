@@ -6,7 +6,9 @@ CUDA: achieved GB/s of each fused kernel (bytes it must move / time) against the
 memory bandwidth (target >= 80% at D >= 2048) and against a measured device-to-device copy, and
 its speedup over the unfused PyTorch chain (two roundings where the kernel rounds once) and over
 what `routing.dispatch: torch` runs (reference.py; `auto` picks per op between the two:
-backend.AUTO_TORCH_OPS); `--dtype bfloat16 float16 float32` for all three.
+backend.AUTO_TORCH_OPS); `--dtype bfloat16 float16 float32` for all three. Then the block's
+elementwise kernels the eager CUDA model runs (SwiGLU and RMSNorm, forward and backward, on B*T
+rows of width D) against the eager torch ops they replace.
 
 CPU: the share of a routed block's time spent in dispatch on the PyTorch path (target <= 5%):
 a MoD layer's training step (forward + backward) and a depth-gate layer's single-path inference,
@@ -146,12 +148,45 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     for name, (fused, chain, torch_backend, nbytes) in cases.items():
         t_fused, t_chain = do_bench(fused), do_bench(chain)  # ms
         t_torch = t_chain if torch_backend is None else do_bench(torch_backend)
-        gbs = nbytes / (t_fused * 1e-3) / 1e9
-        share = f"{gbs / peak:6.1%} of peak, " if peak else ""
-        ok = "" if not peak or D < 2048 else ("  ok" if gbs / peak >= GPU_TARGET else "  BELOW TARGET")
-        print(f"  {name:12s} {t_fused * 1e3:8.1f} us  {gbs:7.0f} GB/s ({share}{gbs / copy:6.1%} of copy)  "
-              f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us)  "
-              f"x{t_torch / t_fused:4.1f} vs dispatch=torch ({t_torch * 1e3:.1f} us){ok}")
+        print(_row(name, t_fused, nbytes, peak, copy, D) + f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us)  "
+              f"x{t_torch / t_fused:4.1f} vs dispatch=torch ({t_torch * 1e3:.1f} us){_verdict(t_fused, nbytes, peak, D)}")
+    # A block's elementwise work on B*T rows of D features (SwiGLU's hidden width taken as D): the
+    # Triton kernels mlp.swiglu and norm.RMSNorm run on CUDA, against the eager ops they replace.
+    rows = B * T
+    gate_up, grad = torch.randn(rows, 2 * D, device=device, dtype=dtype), torch.randn(rows, D, device=device, dtype=dtype)
+    gu_req = gate_up.detach().requires_grad_()
+    eager_swiglu = torch.nn.functional.silu(gu_req[:, :D]) * gu_req[:, D:]
+    h, weight = torch.randn(rows, D, device=device, dtype=dtype), torch.rand(D, device=device) + 0.5
+    h_req, w_req = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    eager_norm = torch.nn.functional.rms_norm(h_req, (D,), w_req, 1e-5)
+    normed, rstd = ops.tk.rms_norm_fwd(h, weight, 1e-5)
+    block = {  # name: (kernel, eager ops, bytes to move)
+        "swiglu fwd": (lambda: ops.tk.swiglu_fwd(gate_up),
+                       lambda: torch.nn.functional.silu(gate_up[:, :D]) * gate_up[:, D:], 3 * rows * D * es),
+        "swiglu bwd": (lambda: ops.tk.swiglu_bwd(grad, gate_up),
+                       lambda: torch.autograd.grad(eager_swiglu, gu_req, grad, retain_graph=True), 5 * rows * D * es),
+        "rms_norm fwd": (lambda: ops.tk.rms_norm_fwd(h, weight, 1e-5),
+                         lambda: torch.nn.functional.rms_norm(h, (D,), weight, 1e-5), 2 * rows * D * es),
+        "rms_norm bwd": (lambda: ops.tk.rms_norm_bwd(normed, h, weight, rstd),
+                         lambda: torch.autograd.grad(eager_norm, (h_req, w_req), normed, retain_graph=True),
+                         3 * rows * D * es),
+    }
+    for name, (kernel, eager, nbytes) in block.items():
+        t_kernel, t_eager = do_bench(kernel), do_bench(eager)
+        print(_row(name, t_kernel, nbytes, peak, copy, D)
+              + f"x{t_eager / t_kernel:4.1f} vs eager torch ({t_eager * 1e3:.1f} us){_verdict(t_kernel, nbytes, peak, D)}")
+
+
+def _row(name: str, ms: float, nbytes: int, peak, copy: float, D: int) -> str:
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    share = f"{gbs / peak:6.1%} of peak, " if peak else ""
+    return f"  {name:12s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s ({share}{gbs / copy:6.1%} of copy)  "
+
+
+def _verdict(ms: float, nbytes: int, peak, D: int) -> str:
+    if not peak or D < 2048:
+        return ""
+    return "  ok" if nbytes / (ms * 1e-3) / 1e9 / peak >= GPU_TARGET else "  BELOW TARGET"
 
 
 # ------------------------------------------------------------------------------------------ CPU

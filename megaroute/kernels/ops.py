@@ -272,3 +272,72 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple
         raise TypeError(f"rotary_qkv: qkv, cos and sin must share a dtype, got {qkv.dtype}, {cos.dtype}, {sin.dtype}")
     _check_device(qkv=qkv, cos=cos, sin=sin)
     return _RotaryQKV.apply(qkv, cos, sin)
+
+
+# ----------------------------------------------------------------------------- a block's elementwise work
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., D] as rows [N, D] with unit column stride (a view where the strides allow)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[0] == 0 else rows.contiguous()
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have a feature dimension, got a 0-d tensor")
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        rows = _rows(gate_up)
+        ctx.save_for_backward(rows)
+        return tk.swiglu_fwd(rows).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        shape = grad.shape[:-1] + (rows.shape[1],)
+        return tk.swiglu_bwd(_rows(grad.to(rows.dtype)), rows).view(shape)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [..., 2H] (gate first) in one kernel each way (mlp.swiglu on CUDA).
+    Keeps only gate|up for backward (silu is recomputed there), where autograd's graph also keeps
+    silu(gate); rounds silu(gate) to the input's dtype before the product, as the plain ops do."""
+    _check_rows("gate_up", gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu: gate_up's last dimension must be even (gate | up), got {tuple(gate_up.shape)}")
+    return _SwiGLU.apply(gate_up)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = _rows(x)
+        y, rstd = tk.rms_norm_fwd(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = tk.rms_norm_bwd(_rows(grad), rows, weight, rstd)
+        return grad_x.view(grad.shape), grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, weight.shape, weight, eps) over x's last dimension in one kernel each way
+    (norm.RMSNorm on CUDA without apex): float32 math, the output and x's gradient in x's dtype,
+    the weight's gradient in its own; keeps x and one float32 rstd per row for backward."""
+    _check_rows("x", x)
+    _check_rows("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}] (x's last dimension), got {tuple(weight.shape)}")
+    _check_device(x=x, weight=weight)
+    return _RMSNorm.apply(x, weight.contiguous(), float(eps))

@@ -327,3 +327,141 @@ def rotate_heads(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: t
                                        *dst.stride(), ROTATE=rotate, BLOCK_H=bh, BLOCK_J=bj,
                                        num_warps=4 if bh * bj <= 1024 else 8)
     return dst
+
+
+# ----------------------------------------------------------------------------- a block's elementwise work
+
+
+def _block_cols(H: int) -> int:
+    return min(triton.next_power_of_2(max(H, 1)), 1024)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(gu_ptr, out_ptr, H, gu_s, o_s, BLOCK: tl.constexpr):
+    """Row r, columns c: out = silu(gate) * up with gate = gu[r, c], up = gu[r, H + c]. silu is
+    rounded to out's dtype before the product, as the plain ops' intermediate is."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    gate = tl.load(gu_ptr + r * gu_s + c, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + r * gu_s + H + c, mask=m, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + r * o_s + c, (act * up).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(g_ptr, gu_ptr, dgu_ptr, H, g_s, gu_s, d_s, BLOCK: tl.constexpr):
+    """Row r, columns c: the gate and up halves of the gradient of silu(gate) * up, silu recomputed
+    (nothing but gate|up is saved); grad * up rounded before silu's backward, as autograd's is."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < H
+    grad = tl.load(g_ptr + r * g_s + c, mask=m, other=0.0).to(tl.float32)
+    gate = tl.load(gu_ptr + r * gu_s + c, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + r * gu_s + H + c, mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    act = (gate * sig).to(dgu_ptr.dtype.element_ty).to(tl.float32)
+    grad_act = (grad * up).to(dgu_ptr.dtype.element_ty).to(tl.float32)
+    d_gate = grad_act * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(dgu_ptr + r * d_s + c, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
+    tl.store(dgu_ptr + r * d_s + H + c, (grad * act).to(dgu_ptr.dtype.element_ty), mask=m)
+
+
+def swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2H] (unit stride along columns) -> silu(gate) * up [N, H]."""
+    N, H = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(N, H, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        bc = _block_cols(H)
+        _swiglu_fwd_kernel[(N, triton.cdiv(H, bc))](gate_up, out, H, gate_up.stride(0), out.stride(0), BLOCK=bc,
+                                                    num_warps=_warps(bc))
+    return out
+
+
+def swiglu_bwd(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """grad [N, H], gate_up [N, 2H] (unit column strides) -> the gradient of gate_up [N, 2H]."""
+    N, H = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(N, 2 * H, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        bc = _block_cols(H)
+        _swiglu_bwd_kernel[(N, triton.cdiv(H, bc))](grad, gate_up, out, H, grad.stride(0), gate_up.stride(0),
+                                                    out.stride(0), BLOCK=bc, num_warps=_warps(bc))
+    return out
+
+
+def _norm_warps(block_d: int) -> int:
+    return 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, x_s, y_s, eps, BLOCK_D: tl.constexpr):
+    """Row r: rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w, in float32, rounded once."""
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + r * x_s + d, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(rstd_ptr + r, rstd)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r * y_s + d, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, N, D, ROWS, g_s, x_s, dx_s,
+                         BLOCK_D: tl.constexpr):
+    """Rows [p ROWS, (p + 1) ROWS): dx = (g w - xhat <g w, xhat> / D) rstd with xhat = x rstd, and
+    this program's partial weight gradient sum(g xhat) into dw[p] (float32; summed on the host)."""
+    p = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(0, ROWS):
+        # The last program's rows past N re-read row N - 1 and discard it (vector masks: the
+        # interpreter takes no scalar ones).
+        r = tl.minimum(p * ROWS + i, N - 1)
+        live = m & ((d * 0 + p * ROWS + i) < N)
+        g = tl.load(g_ptr + r * g_s + d, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r * x_s + d, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r)
+        xhat = x * rstd
+        gw = g * w
+        dot = tl.sum(gw * xhat, axis=0) / D
+        tl.store(dx_ptr + r * dx_s + d, ((gw - xhat * dot) * rstd).to(dx_ptr.dtype.element_ty), mask=live)
+        acc += tl.where(live, g * xhat, 0.0)
+    tl.store(dw_ptr + p * D + d, acc, mask=m)
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] (unit column stride), weight [D] -> (y [N, D] in x's dtype, rstd [N] float32)."""
+    N, D = x.shape
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x.device)
+    if N and D:
+        bd = triton.next_power_of_2(D)
+        _rms_norm_fwd_kernel[(N,)](x, weight, y, rstd, D, x.stride(0), y.stride(0), eps, BLOCK_D=bd,
+                                   num_warps=_norm_warps(bd))
+    return y, rstd
+
+
+def _norm_programs(N: int, device: torch.device) -> int:
+    """Programs of the norm's backward: a few per SM on a GPU (each sums its rows' weight gradient)."""
+    per_device = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(N, per_device))
+
+
+def rms_norm_bwd(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad, x [N, D] (unit column strides), weight [D], rstd [N] -> (grad_x in x's dtype, grad_w in
+    weight's dtype)."""
+    N, D = x.shape
+    dx = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if not (N and D):
+        return dx, torch.zeros_like(weight)
+    programs = _norm_programs(N, x.device)
+    rows = triton.cdiv(N, programs)
+    dw = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+    bd = triton.next_power_of_2(D)
+    _rms_norm_bwd_kernel[(programs,)](grad, x, weight, rstd, dx, dw, N, D, rows, grad.stride(0), x.stride(0),
+                                      dx.stride(0), BLOCK_D=bd, num_warps=_norm_warps(bd))
+    return dx, dw.sum(0).to(weight.dtype)

@@ -3,9 +3,10 @@ parallel, split per block; down row-parallel).
 
 `fused` (default True): silu(gate) * up as one autograd function (`swiglu`, which the MoE experts
 call too) whose backward writes both halves of the gate|up gradient in place, each direction one
-pass of a fused kernel on CPU (kernels/cpu.py; eager ops where it is not built); `fused = False` (and
-torch.compile, which fuses the plain ops itself) keeps autograd's graph of chunk, silu and mul, whose
-backward concatenates the two halves.
+pass of a fused kernel on CPU (kernels/cpu.py; eager ops where it is not built) and on CUDA one
+Triton kernel each way (kernels.ops.swiglu: silu recomputed in backward, so only gate|up is kept);
+`fused = False` (and torch.compile, which fuses the plain ops itself) keeps autograd's graph of
+chunk, silu and mul, whose backward concatenates the two halves.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import compiled_cuda_ops, cpu
 from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..parallel.mappings import Group
 
@@ -57,10 +58,11 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 
 def swiglu(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """silu(gate) * up of gate_up [..., 2h] (gate first): the one function unless `fused` is False
-    or torch.compile is tracing (inductor fuses the plain ops itself)."""
+    """silu(gate) * up of gate_up [..., 2h] (gate first): the one function (the Triton kernels on
+    CUDA) unless `fused` is False or torch.compile is tracing (inductor fuses the plain ops itself)."""
     if fused and not torch.compiler.is_compiling():
-        return _SwiGLUFunction.apply(gate_up)
+        ops = compiled_cuda_ops(gate_up)  # eager CUDA: strided halves ran in torch's slow elementwise path
+        return _SwiGLUFunction.apply(gate_up) if ops is None else ops.swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -1,6 +1,7 @@
-"""RMSNorm: apex's fused kernel on CUDA when importable; on CPU (`fused`, the default) one autograd
-function (a fused kernel each way where kernels/cpu.py is built); torch's F.rms_norm otherwise (CUDA
-without apex, torch.compile, `fused = False`)."""
+"""RMSNorm: apex's fused kernel on CUDA when importable; otherwise (`fused`, the default) one Triton
+kernel each way on CUDA (kernels.ops.rms_norm) and on CPU one autograd function (a fused kernel each
+way where kernels/cpu.py is built); torch's F.rms_norm under torch.compile, with `fused = False`, and
+where neither kernel is available (CUDA without triton)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import compiled_cuda_ops, cpu
 
 try:  # apex is optional and not on any package index.
     from apex.normalization import FusedRMSNorm as _ApexRMSNorm
@@ -76,6 +77,10 @@ class RMSNorm(nn.Module):
             from apex.normalization.fused_layer_norm import fused_rms_norm_affine
 
             return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
-        if self.fused and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            return _RMSNormFunction.apply(x, self.weight, self.eps)  # inductor fuses F.rms_norm itself
+        if self.fused:
+            ops = compiled_cuda_ops(x, self.weight)  # None under torch.compile: inductor fuses F.rms_norm itself
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                return _RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

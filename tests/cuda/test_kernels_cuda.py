@@ -136,6 +136,40 @@ def test_routed_models_train_alike_with_triton_and_torch_dispatch(ops, make_mode
     torch.testing.assert_close(with_triton, with_torch, **tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_cuda_blocks_run_the_triton_swiglu_and_rms_norm(ops, make_model, monkeypatch, dtype):
+    """The eager CUDA model calls kernels.ops.swiglu and rms_norm (mlp.swiglu, norm.RMSNorm: every
+    block's two norms and FFN, and the final norm), and trains as the plain ops do (set_fused(False):
+    chunk/silu/mul and F.rms_norm)."""
+    from megaroute.model import norm
+
+    if norm._ApexRMSNorm is not None:
+        pytest.skip("apex is installed: RMSNorm runs apex's kernel, not the Triton one")
+    calls = {"swiglu": 0, "rms_norm": 0}
+    for name in calls:
+        original = getattr(ops, name)
+
+        def counted(*args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(ops, name, counted)
+    with_kernels = _losses(make_model, (), dtype, steps=2)
+    layers = make_model()[1].model.n_layers
+    # per forward: each block's SwiGLU and two norms, the final norm; 2 training + 6 evaluation forwards
+    assert calls == {"swiglu": 8 * layers, "rms_norm": 8 * (2 * layers + 1)}, calls
+    monkeypatch.setattr(ops, "swiglu", None)  # the plain ops must not reach the kernels
+    monkeypatch.setattr(ops, "rms_norm", None)
+
+    def make_plain(*overrides, **kw):
+        built, c = make_model(*overrides, **kw)
+        return built.set_fused(False), c
+
+    with_plain_ops = _losses(make_plain, (), dtype, steps=2)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(with_kernels, with_plain_ops, **tol)
+
+
 # ------------------------------------------------------------------------------------- benchmark
 
 
@@ -146,7 +180,9 @@ def test_bandwidth_benchmark_reports_every_op_against_peak(capsys):
                        "--dtype", "bfloat16", "float16", "float32"]) == 0
     out = capsys.readouterr().out
     assert "peak" in out and "measured copy" in out
-    for op in ("gather", "gather bwd", "combine fwd", "combine bwd", "permute", "unpermute"):
+    for op in ("gather", "gather bwd", "combine fwd", "combine bwd", "permute", "unpermute",
+               "swiglu fwd", "swiglu bwd", "rms_norm fwd", "rms_norm bwd"):
         assert out.count(f"  {op:12s} ") == 6, op  # two widths x three dtypes
-    assert out.count("vs dispatch=torch") == 36  # each op also against what routing.dispatch=torch runs
+    assert out.count("vs dispatch=torch") == 36  # each dispatch op also against what routing.dispatch=torch runs
+    assert out.count("vs eager torch") == 24  # the block's kernels against the eager ops they replace
     assert "nan" not in out.split("\n", 1)[0]  # the peak bandwidth is known (table or device query)

@@ -284,7 +284,7 @@ def test_fit_table_matches_a_hand_computation(capsys):
     states = {0: 16 * P, 1: 8 * P + 8 * P // dp, 2: 4 * P + 12 * P // dp, 3: 16 * P // dp + 4 * largest_layer}
     # fp32 master + grad partition copies; the reduce bucket; ZeRO-3's gathered (whole) model
     buffers = {0: 0, 1: 8 * P // dp + bucket, 2: 8 * P // dp + bucket, 3: 8 * P // dp + bucket + 4 * P}
-    block = T * (4 * d + 5 * d + 4 * f)  # saved elements of one block per sequence
+    block = T * (4 * d + 5 * d + 3 * f)  # saved elements of one block per sequence (CUDA's SwiGLU keeps no silu)
     head = 2 * T * d * p + T * V * (p + 4)  # final norm; logits and their fp32 log-softmax
 
     def total(z: int, ckpt: bool, mb: int) -> int:
@@ -310,4 +310,4 @@ def test_fit_table_matches_a_hand_computation(capsys):
         assert float(est) == pytest.approx(total(z, ckpt, expected or 1) / 2**30, abs=0.006)
     table = {(int(r[0]), r[1]): r[2] for r in rows}
     # The numbers this works out to: ZeRO 1-3 carry DeepSpeed's 2 GB fp32 reduce bucket on a GPU.
-    assert table[(0, "off")] == "32" and table[(0, "on")] == "64" and table[(1, "off")] == table[(3, "on")] == "none"
+    assert table[(0, "off")] == "32" and table[(0, "on")] == "128" and table[(1, "off")] == table[(3, "on")] == "none"

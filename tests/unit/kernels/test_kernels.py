@@ -203,6 +203,115 @@ def test_rotary_qkv_rejects_bad_shapes(ops):
         ops.rotary_qkv(qkv, torch.zeros(1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 2, dtype=torch.bfloat16))
 
 
+# Two roundings each way (the plain ops' intermediate, then the result), each one ulp off under the
+# interpreter's truncation: two bf16 / fp16 ulps.
+BLOCK_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -6, atol=2e-3),
+             torch.float16: dict(rtol=2 ** -9, atol=2e-4)}
+
+
+def _plain_swiglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _float32_rms_norm(x, weight, eps):
+    """F.rms_norm in float32, rounded once to x's dtype (what the kernel computes)."""
+    return torch.nn.functional.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
+def _check_block_op(got_fn, want_fn, inputs, dtype):
+    """Same output and same gradients of every float input, for one random output gradient."""
+    gen = torch.Generator().manual_seed(1)
+    results = []
+    for fn in (got_fn, want_fn):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        grad = _rand(*out.shape, dtype=out.dtype, gen=gen)
+        gen.manual_seed(1)
+        results.append((out, torch.autograd.grad(out, leaves, grad)))
+    (got, got_grads), (want, want_grads) = results
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **BLOCK_TOL[dtype])
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, **BLOCK_TOL[w.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,H", [((2, 3), 5), ((7,), 48), ((1, 1), 1), ((3,), 1030), ((0, 2), 4)])
+def test_swiglu_matches_the_plain_ops(ops, shape, H, dtype):
+    """mlp.swiglu's CUDA kernel against chunk, silu and mul in the same dtype, values and gradient;
+    H over the kernel's column block (1024) and an empty batch included."""
+    gate_up = _rand(*shape, 2 * H, dtype=dtype, gen=torch.Generator().manual_seed(0)) * 3
+    _check_block_op(ops.swiglu, _plain_swiglu, (gate_up,), dtype)
+
+
+def test_swiglu_reads_strided_rows_without_a_copy(ops):
+    wide = _rand(4, 5, 20, gen=torch.Generator().manual_seed(0))
+    gate_up = wide[..., 2:14]  # rows 20 apart, columns contiguous
+    _check_block_op(ops.swiglu, _plain_swiglu, (gate_up,), torch.float32)
+    assert ops._rows(gate_up).data_ptr() == gate_up.data_ptr()
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("shape,D", [((2, 3), 5), ((19,), 48), ((1,), 1), ((3, 1), 1030), ((0,), 8)])
+def test_rms_norm_matches_float32_rms_norm(ops, shape, D, dtype, weight_dtype):
+    """norm.RMSNorm's CUDA kernel against F.rms_norm in float32 rounded once: output and x's gradient
+    in x's dtype, the weight's in its own. 19 rows over the backward's 8 programs (CPU) leave a
+    partial last program, whose rows past the end must add nothing to the weight's gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = _rand(*shape, D, dtype=dtype, gen=gen) * 2
+    weight = (torch.rand(D, generator=gen) + 0.5).to(device=DEVICE, dtype=weight_dtype)
+    _check_block_op(lambda a, w: ops.rms_norm(a, w, 1e-5), lambda a, w: _float32_rms_norm(a, w, 1e-5),
+                    (x, weight), dtype)
+
+
+def test_block_ops_reject_bad_shapes(ops):
+    with pytest.raises(ValueError, match="even"):
+        ops.swiglu(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"weight must be \[4\]"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-5)
+    with pytest.raises(TypeError, match="x must be float32"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.int64), torch.ones(4), 1e-5)
+
+
+def test_model_trains_alike_through_the_block_kernels(ops, make_model, monkeypatch):
+    """mlp.swiglu and norm.RMSNorm take kernels.ops' SwiGLU and RMSNorm where compiled_cuda_ops offers
+    them (CUDA tensors): with it made to offer the interpreted kernels here, a routed model's
+    training losses and gradients equal the plain ops' (set_fused(False)), and every block's FFN and
+    norms went through the kernels."""
+    from megaroute.model import mlp, norm
+
+    calls = {"swiglu": 0, "rms_norm": 0}
+
+    def counted(name, original):
+        def run(*args):
+            calls[name] += 1
+            return original(*args)
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(ops, name, counted(name, getattr(ops, name)))
+    results = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            for module in (mlp, norm):
+                m.setattr(module, "compiled_cuda_ops", lambda *tensors, _ops=ops if fused else None: _ops)
+            model, cfg = make_model("routing.method=mod", "routing.capacity=0.5")
+            model.set_fused(fused)
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+            loss = model(tokens, tokens).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    layers = cfg.model.n_layers
+    assert calls["swiglu"] == layers and calls["rms_norm"] == 2 * layers + 1, calls
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_path_slots_put_full_tokens_first_in_order():
     full = torch.tensor([[True, False, True], [False, True, False]])
     slot, n_full = ref.path_slots(full)
@@ -343,6 +452,10 @@ def test_cuda_compiled_kernels_match_their_references(ops, dtype):
     y, w = _rand(B * T, D, dtype=dtype, gen=gen), _rand(B, T, dtype=dtype, gen=gen)
     _assert_parity(ops.unpermute, ref.unpermute, (x, slot, w, y[:n_full], y[n_full:]))
     _check_rotary(ops, 4, 512, 12, 64, dtype)  # rope.split_qkv_rotary's CUDA path
+    # mlp.swiglu's and norm.RMSNorm's CUDA paths: many rows (the norm's backward over every SM), D over a block
+    _check_block_op(ops.swiglu, _plain_swiglu, (_rand(2, 1000, 2 * D, dtype=dtype, gen=gen),), dtype)
+    norm_in = (_rand(3, 1111, D, dtype=dtype, gen=gen), torch.rand(D, generator=gen).to(DEVICE) + 0.5)
+    _check_block_op(lambda a, w: ops.rms_norm(a, w, 1e-5), lambda a, w: _float32_rms_norm(a, w, 1e-5), norm_in, dtype)
     # Timing is reported, not asserted (targets live in python -m megaroute.kernels.bench).
     fused = do_bench(lambda: ops.combine(x, idx, g, delta))
     unfused = do_bench(lambda: _unfused_combine(x, idx, g, delta))
