@@ -68,7 +68,7 @@ def _compiled_triton(device: torch.device) -> Optional[ModuleType]:
 def resolve(name: str, device: torch.device) -> Union[ModuleType, SimpleNamespace]:
     """-> an object with the DISPATCH_OPS (gather / combine / permute / unpermute / ...) for tensors on `device`."""
     check_backend(name)
-    if name == "torch":
+    if name == "torch" or torch.compiler.is_compiling():  # traced: inductor fuses the plain ops itself
         return reference
     if name == "auto":
         ops = _compiled_triton(device)

@@ -126,9 +126,13 @@ class Transformer(nn.Module):
     def compile_blocks(self, backend: str = "inductor", dynamic: Optional[bool] = False) -> "Transformer":
         """torch.compile each block's dense math, in place: TransformerBlock._update (norms, attention,
         SwiGLU), the piece dense, MoD, the capacity baselines, soft halting and early exit all run.
+        MoD's training-time layer is compiled whole (MoDLayer.topk_forward: router, top-k, the causal
+        decider's loss and threshold update, statistics, gather, block, combine: one graph, where the
+        eager glue is ~90 small ops a layer whose launches kept a GPU step host-bound), except with
+        activation checkpointing or audit hooks; its causal modes stay eager.
 
-        Per block, not the whole model, so the routing glue (top-k, gathers, ragged counts, statistics,
-        running thresholds) stays eager and never breaks the compiled graph; the blocks share one
+        Per block, not the whole model, so the rest of the routing glue (ragged counts, host-side
+        selections) stays eager and never breaks a compiled graph; the blocks share one
         compiled function (parameters are graph inputs), so `dynamic=False` compiles once per input
         shape: the dense length T and each routed k (and once more for no-grad evaluation). Pieces
         other layers call on their own (the depth gate's attention and FFN paths, MoE experts, the
@@ -139,9 +143,15 @@ class Transformer(nn.Module):
         compiled function; the model then no longer pickles.
         """
         compiled = torch.compile(TransformerBlock._update, backend=backend, dynamic=dynamic)
+        whole: dict[type, object] = {}  # one compiled topk_forward per layer type, shared like the blocks'
         for layer in self.layers:
             # A partial, not a closure: deepcopy maps its block argument to the copied block.
             layer.block._update = partial(_compiled_update, compiled, layer.block)
+            if getattr(layer, "compiled_topk", False) is None:
+                kind = type(layer)
+                if kind not in whole:
+                    whole[kind] = torch.compile(kind.topk_forward, backend=backend, dynamic=dynamic)
+                layer.compiled_topk = whole[kind]
         return self
 
     @torch.no_grad()

@@ -85,10 +85,14 @@ class RoutingContext:
             self.decisions[name] = mask.detach()
         return mask
 
+    def hooks(self, name: str) -> bool:
+        """Whether the audit hooks record or replace this layer's decision."""
+        return self.record or name in self.masks
+
     def route_indices(self, name: str, idx: torch.Tensor, valid: Optional[torch.Tensor],
                       seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """route_mask for layers that select by indices (valid marks real rows of a ragged batch)."""
-        if not (self.record or name in self.masks):
+        if not self.hooks(name):
             return idx, valid
         mask = torch.zeros(idx.shape[0], seq_len, dtype=torch.bool, device=idx.device)
         mask.scatter_(1, idx, True if valid is None else valid)

@@ -76,48 +76,83 @@ class MoDLayer(nn.Module):
         self.predictor_loss_weight = cfg.predictor_loss_weight
         self.predictor = CausalPredictor(d_model, cfg.predictor_hidden) if cfg.causal_method == "predictor" else None
         self.cut = QuantileCut(cfg.threshold_momentum)
+        self.compiled_topk = None  # torch.compile of topk_forward (Transformer.compile_blocks)
 
     def causal_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Per-token decision scores that read only the token itself (compared with self.cut)."""
         return self.predictor(x) if self.predictor is not None else router_logits
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
+        if not ctx.causal and pos.kv is None and not ctx.hooks(name):
+            # the whole training-time layer in one function: torch.compile'd with train.compile
+            compiled = self.compiled_topk is not None and not self.block.checkpoint_activations
+            out, decider, statistics = (self.compiled_topk if compiled else type(self).topk_forward)(self, x, pos)
+            self._report(ctx, name, decider, statistics)
+            return out
         idx, valid, weight = self.select(x, ctx, name)
         return update_selected(self.block, x, pos, idx, weight, valid, dispatcher=self.dispatcher)
+
+    def topk_forward(self, x: torch.Tensor, pos: Positions):
+        """The layer in "topk" mode without audit hooks, as one pure function of its inputs (and the
+        threshold's running update) that torch.compile traces whole: -> (output, the causal decider's
+        (loss, agreement), the statistics _report logs)."""
+        idx, logits, decider = self._topk(x)
+        out = update_selected(self.block, x, pos, idx, self.weight_fn(logits.gather(1, idx)), dispatcher=self.dispatcher)
+        return out, decider, self._statistics(idx, None, logits)
 
     def select(self, x: torch.Tensor, ctx: RoutingContext, name: str):
         """The routing decision: (idx [B, k], valid [B, k] or None, weight [B, k] = g(router logit)).
         MoDE (moe.py) reuses it with a different block update."""
         T = x.shape[1]
-        logits = self.router(x).squeeze(-1)
-        causal = self.causal_logits(x, logits)
+        decider = None
         if not ctx.causal:
-            k = dispatch.capacity_k(T, self.capacity)
-            idx, valid = dispatch.topk_indices(logits, k), None
-            self._train_causal_decider(logits, causal, dispatch.indices_to_mask(idx, T), ctx, name)
-            if self.training and torch.is_grad_enabled():
-                self.cut.update(causal, k / T)
+            idx, logits, decider = self._topk(x)
+            valid = None
         else:
+            logits = self.router(x).squeeze(-1)
+            causal = self.causal_logits(x, logits)
             if ctx.calibrate:
                 self.cut.observe(causal, dispatch.capacity_k(T, self.capacity) / T)
             idx, valid = dispatch.mask_indices(self.cut(causal))
         idx, valid = ctx.route_indices(name, idx, valid, T)
-        selected = dispatch.selected_fraction(idx, valid, T)
-        ctx.add_stat(f"{name}/selected_frac", selected)
-        ctx.add_exec(name, selected)
-        ctx.add_stat(f"{name}/router_logit_mean", logits.mean())
-        ctx.add_stat(f"{name}/router_logit_std", logits.std() if logits.numel() > 1 else logits.new_zeros(()))
+        self._report(ctx, name, decider, self._statistics(idx, valid, logits))
         return idx, valid, self.weight_fn(logits.gather(1, idx))
 
-    def _train_causal_decider(self, logits, causal, selected, ctx: RoutingContext, name: str) -> None:
-        target = selected.to(logits.dtype)
-        if self.predictor is None:
-            ctx.add_loss(f"{name}/router_bce", F.binary_cross_entropy_with_logits(logits.float(), target.float()),
-                         self.aux_loss_weight)
-        else:
-            ctx.add_loss(f"{name}/predictor_bce", F.binary_cross_entropy_with_logits(causal.float(), target.float()),
-                         self.predictor_loss_weight)
-        ctx.add_stat(f"{name}/causal_agreement", (self.cut(causal) == selected).float().mean())
+    def _topk(self, x: torch.Tensor):
+        """Training-time decision: -> (idx [B, k] ascending, router logits [B, T], (the causal decider's
+        BCE toward top-k membership, its agreement with the threshold)); moves the threshold."""
+        T = x.shape[1]
+        logits = self.router(x).squeeze(-1)
+        causal = self.causal_logits(x, logits)
+        k = dispatch.capacity_k(T, self.capacity)
+        idx = dispatch.topk_indices(logits, k)
+        selected = dispatch.indices_to_mask(idx, T)
+        scores = logits if self.predictor is None else causal
+        bce = F.binary_cross_entropy_with_logits(scores.float(), selected.float())
+        agreement = (self.cut(causal) == selected).float().mean()
+        if self.training and torch.is_grad_enabled():
+            self.cut.update(causal, k / T)
+        return idx, logits, (bce, agreement)
+
+    @staticmethod
+    def _statistics(idx: torch.Tensor, valid, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(selected fraction, router logit mean, std) of one decision."""
+        std = logits.std() if logits.numel() > 1 else logits.new_zeros(())
+        return dispatch.selected_fraction(idx, valid, logits.shape[1]), logits.mean(), std
+
+    def _report(self, ctx: RoutingContext, name: str, decider, statistics) -> None:
+        if decider is not None:
+            bce, agreement = decider
+            if self.predictor is None:
+                ctx.add_loss(f"{name}/router_bce", bce, self.aux_loss_weight)
+            else:
+                ctx.add_loss(f"{name}/predictor_bce", bce, self.predictor_loss_weight)
+            ctx.add_stat(f"{name}/causal_agreement", agreement)
+        selected, mean, std = statistics
+        ctx.add_stat(f"{name}/selected_frac", selected)
+        ctx.add_exec(name, selected)
+        ctx.add_stat(f"{name}/router_logit_mean", mean)
+        ctx.add_stat(f"{name}/router_logit_std", std)
 
 
 def _flops(model: ModelConfig, routing: RoutingConfig, T: int) -> LayerFlops:

@@ -108,6 +108,50 @@ def test_routed_model_compiles_once_per_routed_shape(dynamo):
     assert _graphs() == 2 and dynamo["frames"]["total"] == 2
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_mod_training_layer_compiles_whole_and_matches_eager(dynamo, autocast):
+    """MoD's training-time layer (router, top-k, decider loss, threshold update, statistics, gather,
+    block, combine) runs as one compiled function shared by the routed layers: the same losses,
+    auxiliary losses, statistics, gradients and running thresholds as eager, step after step; with
+    audit hooks (record_decisions) it takes the eager path and records the same decisions."""
+    from megaroute.model.routing import MoDLayer
+
+    eager, compiled = _pair(MOD, "aot_eager", fused=True)
+    routed = [layer for layer in compiled.layers if isinstance(layer, MoDLayer)]
+    assert routed and all(layer.compiled_topk is routed[0].compiled_topk is not None for layer in routed)
+    tol = 2e-2 if autocast else 1e-5
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=gen)
+        outs = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(tokens[:, :-1], targets=tokens[:, 1:])
+            out.loss.backward()
+            outs.append(out)
+        for got, want in ((outs[1].loss, outs[0].loss), (outs[1].aux_losses, outs[0].aux_losses),
+                          (outs[1].routing_stats, outs[0].routing_stats), (outs[1].executed, outs[0].executed)):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol, msg=name)
+        for a, b in zip(routed, (layer for layer in eager.layers if isinstance(layer, MoDLayer))):
+            torch.testing.assert_close(a.cut.threshold, b.cut.threshold, rtol=tol, atol=tol)
+            assert a.cut.updates == b.cut.updates
+    assert dict(dynamo["graph_break"]) == {}
+
+    def not_with_hooks(*args):
+        raise AssertionError("the audit hooks' forward reached the compiled training layer")
+
+    for layer in routed:
+        layer.compiled_topk = not_with_hooks
+    with torch.no_grad():
+        recorded = [model(tokens[:, :-1], options=ForwardOptions(record_decisions=True)).decisions
+                    for model in (eager, compiled)]
+    assert recorded[0].keys() == recorded[1].keys() and recorded[0]
+    assert all(torch.equal(recorded[0][k], recorded[1][k]) for k in recorded[0])
+
+
 def test_cached_decoding_stays_eager_and_matches(dynamo):
     eager, compiled = _pair(RoutingConfig(), "aot_eager")
     eager.eval(), compiled.eval()
