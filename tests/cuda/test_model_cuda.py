@@ -145,6 +145,46 @@ def test_activation_checkpointing_gives_the_same_gradients(make_model, name):
         _assert_close(grads[1][key], grads[0][key], rtol=1e-5, atol=1e-6, label=key)
 
 
+@pytest.mark.parametrize("name", ["dense", "mod", "mod_predictor"])
+def test_compiled_model_trains_like_eager_on_cuda(make_model, name):
+    """train.compile on a GPU (Transformer.compile_blocks with inductor: the blocks and MoD's whole
+    training layer), three batches in fp32: the eager model's losses, routing statistics and
+    gradients; then bf16 autocast: the same loss to bf16's precision (a near-tie in top-k may route
+    one token differently there, so gradients are only checked finite); no graph breaks. The eager
+    CUDA model runs the Triton SwiGLU / RMSNorm / RoPE kernels, the compiled one inductor's fusion of
+    the plain ops."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, cfg = make_model(*METHODS[name], *ROUTE_ALL, seed=0)
+    eager.cuda().train()
+    compiled = copy.deepcopy(eager).compile_blocks()
+    gen = torch.Generator().manual_seed(0)
+    for autocast, tol in ((False, dict(rtol=1e-4, atol=1e-5)), (True, dict(rtol=3e-2, atol=3e-2))):
+        for _ in range(3):
+            x, y = (t.cuda() for t in _batch(cfg, seed=int(torch.randint(0, 10**6, (), generator=gen))))
+            outs = []
+            for model in (eager, compiled):
+                model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    out = model(x, y)
+                out.loss.backward()
+                outs.append((out, _grads(model)))
+            (want, want_grads), (got, got_grads) = outs
+            _assert_close(got.loss, want.loss, "loss", **tol)
+            if autocast:
+                assert got_grads.keys() == want_grads.keys() and all(torch.isfinite(g).all() for g in got_grads.values())
+                continue
+            _assert_close(got.routing_stats, want.routing_stats, "routing stats", **tol)
+            for key in want_grads:
+                _assert_close(got_grads[key], want_grads[key], label=key, **tol)
+    assert dict(counters["graph_break"]) == {}
+    torch._dynamo.reset()
+
+
 # bf16 only dense: in bf16, cached and full attention differ by more than a routed decision's margin.
 @pytest.mark.parametrize("name,dtype", [*((n, "float32") for n in ("dense", "mod", "depth_gate_mlp", "halting",
                                                                    "early_exit", "stride")), ("dense", "bfloat16")])
