@@ -148,7 +148,7 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     for name, (fused, chain, torch_backend, nbytes) in cases.items():
         t_fused, t_chain = do_bench(fused), do_bench(chain)  # ms
         t_torch = t_chain if torch_backend is None else do_bench(torch_backend)
-        print(_row(name, t_fused, nbytes, peak, copy, D) + f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us)  "
+        print(_row(name, t_fused, nbytes, peak, copy) + f"x{t_chain / t_fused:4.1f} vs unfused ({t_chain * 1e3:.1f} us)  "
               f"x{t_torch / t_fused:4.1f} vs dispatch=torch ({t_torch * 1e3:.1f} us){_verdict(t_fused, nbytes, peak, D)}")
     # A block's elementwise work on B*T rows of D features (SwiGLU's hidden width taken as D): the
     # Triton kernels mlp.swiglu and norm.RMSNorm run on CUDA, against the eager ops they replace.
@@ -156,7 +156,7 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     gate_up, grad = torch.randn(rows, 2 * D, device=device, dtype=dtype), torch.randn(rows, D, device=device, dtype=dtype)
     gu_req = gate_up.detach().requires_grad_()
     eager_swiglu = torch.nn.functional.silu(gu_req[:, :D]) * gu_req[:, D:]
-    h, weight = torch.randn(rows, D, device=device, dtype=dtype), torch.rand(D, device=device) + 0.5
+    h, weight = torch.randn(rows, D, device=device, dtype=dtype), torch.rand(D, device=device, dtype=dtype) + 0.5
     h_req, w_req = h.detach().requires_grad_(), weight.detach().requires_grad_()
     eager_norm = torch.nn.functional.rms_norm(h_req, (D,), w_req, 1e-5)
     normed, rstd = ops.tk.rms_norm_fwd(h, weight, 1e-5)
@@ -173,11 +173,11 @@ def _bench_shape(ops, do_bench, device, dtype, dtype_name, es, B, T, k, D, peak,
     }
     for name, (kernel, eager, nbytes) in block.items():
         t_kernel, t_eager = do_bench(kernel), do_bench(eager)
-        print(_row(name, t_kernel, nbytes, peak, copy, D)
+        print(_row(name, t_kernel, nbytes, peak, copy)
               + f"x{t_eager / t_kernel:4.1f} vs eager torch ({t_eager * 1e3:.1f} us){_verdict(t_kernel, nbytes, peak, D)}")
 
 
-def _row(name: str, ms: float, nbytes: int, peak, copy: float, D: int) -> str:
+def _row(name: str, ms: float, nbytes: int, peak, copy: float) -> str:
     gbs = nbytes / (ms * 1e-3) / 1e9
     share = f"{gbs / peak:6.1%} of peak, " if peak else ""
     return f"  {name:12s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s ({share}{gbs / copy:6.1%} of copy)  "
