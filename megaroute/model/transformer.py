@@ -128,8 +128,9 @@ class Transformer(nn.Module):
         SwiGLU), the piece dense, MoD, the capacity baselines, soft halting and early exit all run.
         MoD's training-time layer is compiled whole (MoDLayer.topk_forward: router, top-k, the causal
         decider's loss and threshold update, statistics, gather, block, combine: one graph, where the
-        eager glue is ~90 small ops a layer whose launches kept a GPU step host-bound), except with
-        activation checkpointing or audit hooks; its causal modes stay eager.
+        eager glue is ~90 small ops a layer whose launches kept a GPU step host-bound), and so is the
+        capacity baselines' (CapacityBaselineLayer.topk_forward), except with activation
+        checkpointing or audit hooks (execute.run_topk_forward); their causal modes stay eager.
 
         Per block, not the whole model, so the rest of the routing glue (ragged counts, host-side
         selections) stays eager and never breaks a compiled graph; the blocks share one

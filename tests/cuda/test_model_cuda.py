@@ -145,10 +145,10 @@ def test_activation_checkpointing_gives_the_same_gradients(make_model, name):
         _assert_close(grads[1][key], grads[0][key], rtol=1e-5, atol=1e-6, label=key)
 
 
-@pytest.mark.parametrize("name", ["dense", "mod", "mod_predictor"])
+@pytest.mark.parametrize("name", ["dense", "mod", "mod_predictor", "stride"])
 def test_compiled_model_trains_like_eager_on_cuda(make_model, name):
-    """train.compile on a GPU (Transformer.compile_blocks with inductor: the blocks and MoD's whole
-    training layer), three batches in fp32: the eager model's losses, routing statistics and
+    """train.compile on a GPU (Transformer.compile_blocks with inductor: the blocks, and MoD's and a
+    capacity baseline's whole training layer), three batches in fp32: the eager model's losses, routing statistics and
     gradients; then bf16 autocast: the same loss to bf16's precision (a near-tie in top-k may route
     one token differently there, so gradients are only checked finite); no graph breaks. The eager
     CUDA model runs the Triton SwiGLU / RMSNorm / RoPE kernels, the compiled one inductor's fusion of

@@ -19,7 +19,7 @@ from ..block import TransformerBlock
 from ..rope import Positions
 from . import dispatch
 from .context import RoutingContext
-from .execute import update_selected
+from .execute import run_topk_forward, update_selected
 from .spec import MethodSpec, capacity_budget, capacity_tokens
 
 BASELINES = ("random", "stride", "first_k")
@@ -44,6 +44,7 @@ class CapacityBaselineLayer(nn.Module):
         self.method = cfg.method
         self.capacity = cfg.capacity
         self.stride = stride_of(cfg.capacity)
+        self.compiled_topk = None  # torch.compile of topk_forward (Transformer.compile_blocks)
 
     @property
     def cacheable(self) -> bool:
@@ -75,11 +76,24 @@ class CapacityBaselineLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         T = x.shape[1]
-        idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
-        selected = dispatch.selected_fraction(idx, valid, T)
+        fixed_k = self.method == "random" or pos.start is not None  # no count read on the host
+        if not ctx.causal and pos.kv is None and not ctx.hooks(name) and fixed_k:
+            out, selected = run_topk_forward(self, x, pos)  # torch.compile'd whole with train.compile
+        else:
+            idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
+            selected = dispatch.selected_fraction(idx, valid, T)
+            out = update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)
         ctx.add_stat(f"{name}/selected_frac", selected)
         ctx.add_exec(name, selected)
-        return update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher)
+        return out
+
+    def topk_forward(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training-time layer with k fixed (random's top-k of uniform draws, or in-order
+        positions' host-side columns), as one function torch.compile traces whole: -> (output,
+        selected fraction)."""
+        idx, valid = self.select(x, pos, causal=False)
+        return (update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher),
+                dispatch.selected_fraction(idx, valid, x.shape[1]))
 
 
 # MoD's cost without a router: the block on the selected tokens (the spec's default cost model).

@@ -27,7 +27,7 @@ from ..rope import Positions
 from . import dispatch
 from .calibration import QuantileCut
 from .context import RoutingContext
-from .execute import update_selected
+from .execute import run_topk_forward, update_selected
 from .spec import LayerFlops, MethodSpec, block_flops, capacity_budget, capacity_tokens
 
 
@@ -85,8 +85,7 @@ class MoDLayer(nn.Module):
     def forward(self, x: torch.Tensor, pos: Positions, ctx: RoutingContext, name: str) -> torch.Tensor:
         if not ctx.causal and pos.kv is None and not ctx.hooks(name):
             # the whole training-time layer in one function: torch.compile'd with train.compile
-            compiled = self.compiled_topk is not None and not self.block.checkpoint_activations
-            out, decider, statistics = (self.compiled_topk if compiled else type(self).topk_forward)(self, x, pos)
+            out, decider, statistics = run_topk_forward(self, x, pos)
             self._report(ctx, name, decider, statistics)
             return out
         idx, valid, weight = self.select(x, ctx, name)

@@ -152,6 +152,29 @@ def test_mod_training_layer_compiles_whole_and_matches_eager(dynamo, autocast):
     assert all(torch.equal(recorded[0][k], recorded[1][k]) for k in recorded[0])
 
 
+@pytest.mark.parametrize("method", ["random", "stride", "first_k"])
+def test_capacity_baselines_compile_their_training_layer_whole(dynamo, method):
+    """The capacity baselines' training-time layer (selection, gather, block, combine) compiles whole
+    too, shared by their routed layers, with no graph breaks: the eager step's loss, statistics and
+    gradients (random's draws come from the global generator under aot_eager, as eagerly)."""
+    from megaroute.model.routing import CapacityBaselineLayer
+
+    eager, compiled = _pair(RoutingConfig(method=method, capacity=0.25, every=2, offset=1), "aot_eager", fused=True)
+    routed = [layer for layer in compiled.layers if isinstance(layer, CapacityBaselineLayer)]
+    assert routed and all(layer.compiled_topk is routed[0].compiled_topk is not None for layer in routed)
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    outs = []
+    for model in (eager, compiled):
+        torch.manual_seed(1)
+        outs.append((model(tokens[:, :-1], targets=tokens[:, 1:]), _step(model, tokens)))
+    (out_e, (loss_e, grads_e)), (out_c, (loss_c, grads_c)) = outs
+    torch.testing.assert_close(out_c.routing_stats, out_e.routing_stats)
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert dict(dynamo["graph_break"]) == {}
+
+
 def test_cached_decoding_stays_eager_and_matches(dynamo):
     eager, compiled = _pair(RoutingConfig(), "aot_eager")
     eager.eval(), compiled.eval()
