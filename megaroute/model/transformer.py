@@ -148,8 +148,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             # A partial, not a closure: deepcopy maps its block argument to the copied block.
             layer.block._update = partial(_compiled_update, compiled, layer.block)
-            if getattr(layer, "compiled_topk", False) is None:
-                kind = type(layer)
+            kind = type(layer)
+            if hasattr(kind, "topk_forward"):  # MoD, the capacity baselines: their training layer whole
                 if kind not in whole:
                     whole[kind] = torch.compile(kind.topk_forward, backend=backend, dynamic=dynamic)
                 layer.compiled_topk = whole[kind]

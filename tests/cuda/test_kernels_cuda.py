@@ -15,7 +15,7 @@ from megaroute.kernels import resolve
 from megaroute.kernels.backend import AUTO_TORCH_OPS, DISPATCH_OPS
 from megaroute.model import ForwardOptions
 
-from ..unit.kernels.test_kernels import TOL, _indices, _rand
+from ..unit.kernels.test_kernels import TOL, _indices, _rand, count_block_kernel_calls
 from ..unit.kernels.test_kernels import _assert_parity as _parity
 
 pytestmark = pytest.mark.cuda
@@ -145,15 +145,7 @@ def test_eager_cuda_blocks_run_the_triton_swiglu_and_rms_norm(ops, make_model, m
 
     if norm._ApexRMSNorm is not None:
         pytest.skip("apex is installed: RMSNorm runs apex's kernel, not the Triton one")
-    calls = {"swiglu": 0, "rms_norm": 0}
-    for name in calls:
-        original = getattr(ops, name)
-
-        def counted(*args, _name=name, _original=original):
-            calls[_name] += 1
-            return _original(*args)
-
-        monkeypatch.setattr(ops, name, counted)
+    calls = count_block_kernel_calls(ops, monkeypatch)
     with_kernels = _losses(make_model, (), dtype, steps=2)
     layers = make_model()[1].model.n_layers
     # per forward: each block's SwiGLU and two norms, the final norm; 2 training + 6 evaluation forwards

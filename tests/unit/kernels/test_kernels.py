@@ -276,13 +276,8 @@ def test_block_ops_reject_bad_shapes(ops):
         ops.rms_norm(torch.zeros(2, 4, dtype=torch.int64), torch.ones(4), 1e-5)
 
 
-def test_model_trains_alike_through_the_block_kernels(ops, make_model, monkeypatch):
-    """mlp.swiglu and norm.RMSNorm take kernels.ops' SwiGLU and RMSNorm where compiled_cuda_ops offers
-    them (CUDA tensors): with it made to offer the interpreted kernels here, a routed model's
-    training losses and gradients equal the plain ops' (set_fused(False)), and every block's FFN and
-    norms went through the kernels."""
-    from megaroute.model import mlp, norm
-
+def count_block_kernel_calls(ops, monkeypatch) -> dict[str, int]:
+    """Wraps ops.swiglu and ops.rms_norm to count their calls; -> the live counts by name."""
     calls = {"swiglu": 0, "rms_norm": 0}
 
     def counted(name, original):
@@ -293,6 +288,17 @@ def test_model_trains_alike_through_the_block_kernels(ops, make_model, monkeypat
 
     for name in calls:
         monkeypatch.setattr(ops, name, counted(name, getattr(ops, name)))
+    return calls
+
+
+def test_model_trains_alike_through_the_block_kernels(ops, make_model, monkeypatch):
+    """mlp.swiglu and norm.RMSNorm take kernels.ops' SwiGLU and RMSNorm where compiled_cuda_ops offers
+    them (CUDA tensors): with it made to offer the interpreted kernels here, a routed model's
+    training losses and gradients equal the plain ops' (set_fused(False)), and every block's FFN and
+    norms went through the kernels."""
+    from megaroute.model import mlp, norm
+
+    calls = count_block_kernel_calls(ops, monkeypatch)
     results = []
     for fused in (True, False):
         with monkeypatch.context() as m:
