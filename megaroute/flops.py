@@ -332,26 +332,28 @@ def cpu_peak_flops(cores: Optional[int] = None, precision: str = "fp32") -> floa
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", n: int = 2048,
-                         iters: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+                         iters: int = 3, clock: Callable[[], float] = time.perf_counter,
+                         matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul) -> float:
     """Achieved FLOP/s of an n x n x n matmul in `dtype` (2*n^3 FLOPs): the practical peak that
     benchmarks measure MFU against, beside the datasheet's `peak_flops`. CPU: the best of `iters`
     single matmuls timed with `clock` (time.thread_time on a loaded machine, with one thread);
-    CUDA: `iters` back-to-back matmuls timed with events."""
+    CUDA: `iters` back-to-back matmuls timed with events. `matmul`: the GEMM timed (default torch's;
+    kernels.cpu_linear.matmul: oneDNN's float32 CPU GEMM, which megaroute's float32 linears use)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up: kernel selection, allocator
+    matmul(a, b)  # warm-up: kernel selection, allocator
     if torch.device(device).type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            a @ b
+            matmul(a, b)
         end.record()
         end.synchronize()
         return 2 * n**3 * iters / (start.elapsed_time(end) * 1e-3)
     best = float("inf")
     for _ in range(iters):
         t0 = clock()
-        a @ b
+        matmul(a, b)
         best = min(best, clock() - t0)
     return 2 * n**3 / best
 

@@ -12,14 +12,19 @@ precision: the median (and best) step time, step/dense beside the analytic FLOPs
 (megaroute.flops; "vs FLOPs" = (step/dense) / (FLOPs/dense), 1.00x = the time saved matches the
 FLOPs saved), tokens/s, achieved model GFLOP/s and MFU of the median step against the matmul peak
 measured in the same run (the best of one n^3 fp32 or bf16 matmul per round, `--peak-size`, timed
-with the same clock between the rounds of steps).
+with the same clock between the rounds of steps; in fp32 the faster of torch's mm and oneDNN's GEMM,
+the other printed beside it).
 
 Variants (CPU default: all of them): `reference` is today's dense step kept for comparison - the
 reference math (`Transformer.set_fused(False)`: float32 RoPE via chunk/cat, torch's SDPA kernel,
 F.cross_entropy on a float32 copy of the logits) and torch's default (for-loop) AdamW; `dense` is
 the optimised step (fused RoPE, CPU bf16 attention as one function over blocked matmuls, fused
-RMSNorm and SwiGLU, the LM head inside a chunked loss, fused AdamW), with the training loop's
-forward (no logits returned, train.loop.TRAIN_FORWARD), as every megaroute variant here;
+RMSNorm and SwiGLU, the LM head inside a chunked loss, float32 linears through oneDNN's GEMM
+(kernels/cpu_linear.py), fused AdamW), with the training loop's forward (no logits returned,
+train.loop.TRAIN_FORWARD), as every megaroute variant here; `dense_torch_gemm` is dense with its
+float32 linears and LM head through torch's mm (MKL's sgemm), the GEMM gpt2 and reference use: it
+tells the model's share of dense's lead from the GEMM library's (in bf16 it is dense: autocast's
+matmuls run through oneDNN in every variant);
 `gpt2` is an independent baseline, not megaroute code: nanoGPT's architecture (LayerNorm, GELU
 MLP, learned positions, tied head, SDPA, torch's AdamW; megaroute/bench/gpt2.py) at the same shape,
 the same FLOPs by FlopCounterMode; `mod` (capacity 0.125), the capacity baselines `random` /
@@ -82,8 +87,10 @@ from torch.profiler import ProfilerActivity, profile
 from ..argtypes import non_negative_int, positive_float, positive_int
 from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
 from ..flops import flops_per_token, measure_matmul_flops, peak_flops
+from ..kernels import cpu_linear
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
+from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from . import gpt2
@@ -96,6 +103,7 @@ SHAPE = ModelConfig(vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq
 TARGET_RUN = (SHAPE, 8, 256)  # the speedup targets are set at nanoGPT's shape, batch 8 x 256
 REFERENCE = "reference"  # dense, reference math and torch's default AdamW: today's step
 BASELINE = "gpt2"  # nanoGPT's architecture (bench/gpt2.py), same shape and FLOPs: an independent baseline
+TORCH_GEMM = "dense_torch_gemm"  # dense with its float32 linears through torch's mm (gpt2's GEMM), not oneDNN
 COMPILED = "+compile"  # suffix of a variant whose blocks are torch.compile'd (--compile)
 _ROUTED = dict(every=2, offset=1)
 VARIANTS = {
@@ -108,7 +116,7 @@ VARIANTS = {
     "halting": RoutingConfig(method="halting", **_ROUTED),  # train_forward "soft": every block runs
     "early_exit": RoutingConfig(method="early_exit", **_ROUTED),
 }
-VARIANT_NAMES = (REFERENCE, BASELINE, *VARIANTS)
+VARIANT_NAMES = (REFERENCE, BASELINE, TORCH_GEMM, *VARIANTS)
 PHASES = ("forward", "backward", "optimizer")
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # megaroute/: host_report names call sites under it
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -194,12 +202,14 @@ class Trainer:
 
 def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: int, seed: int = 0,
                  device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False,
-                 compile: bool = False, baseline: bool = False) -> Trainer:
+                 compile: bool = False, baseline: bool = False, torch_gemm: bool = False) -> Trainer:
     """A trainer with the training loop's optimizer (GuardedAdamW, decay on matrices); `reference`:
     the reference math and torch's default AdamW implementation, i.e. the step before issue 19;
     `compile`: the blocks torch.compile'd (Transformer.compile_blocks), compiled at the first step;
     `baseline`: the gpt2 baseline (nanoGPT's architecture and AdamW; `compile` compiles the whole
-    model, as nanoGPT does) instead of a megaroute model."""
+    model, as nanoGPT does) instead of a megaroute model; `torch_gemm`: the linears (and the LM head
+    inside the loss) through F.linear / torch's mm instead of oneDNN (kernels/cpu_linear.py), the
+    rest of the fused math unchanged."""
     shape = shape or SHAPE
     torch.manual_seed(seed)
     cuda = torch.device(device).type == "cuda"
@@ -213,6 +223,9 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
     # GuardedAdamW picks torch's fused kernel; foreach=None is torch's default (a loop on CPU)
     impl = {"foreach": None} if reference else {}
     model.set_fused(not reference)
+    for module in model.modules() if torch_gemm else ():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.fused = False
     if compile:
         model.compile_blocks()  # the blocks keep the math set_fused chose
     optim = GuardedAdamW(param_groups(model, 0.1), lr=1e-4, **impl)
@@ -224,7 +237,7 @@ def variant_trainer(name: str, shape: ModelConfig, routing: RoutingConfig, preci
     """make_trainer for a variant by its name (reference, gpt2, `<variant>+compile`)."""
     base = name.removesuffix(COMPILED)
     return make_trainer(routing, precision, batch, seq_len, device=device, shape=shape, reference=base == REFERENCE,
-                        baseline=base == BASELINE, compile=name.endswith(COMPILED))
+                        baseline=base == BASELINE, compile=name.endswith(COMPILED), torch_gemm=base == TORCH_GEMM)
 
 
 def variant_flops(variants: dict[str, tuple[ModelConfig, RoutingConfig]], seq_len: int) -> dict[str, float]:
@@ -276,14 +289,14 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
           variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048
-          ) -> tuple[dict[str, list[dict[str, float]]], list[float]]:
-    """-> (per-step phase times of each variant, matmul FLOP/s samples).
+          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]]]:
+    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: peak_gemms).
 
-    CPU: one step of every variant per round, rounds repeated, and one timed matmul (the peak, in the
-    step's compute dtype) per timed round, all with `clock`. CUDA: one variant after the other (a GPU is
+    CPU: one step of every variant per round, rounds repeated, and one timed matmul of each GEMM
+    (the peak, in the step's compute dtype) per timed round, all with `clock`. CUDA: one variant after the other (a GPU is
     not shared with other load, and two large models need not fit at once); no matmul samples (run_cuda
     measures the peak)."""
-    variants = variants or {name: (SHAPE, VARIANTS["dense" if name == REFERENCE else name]) for name in VARIANT_NAMES}
+    variants = variants or {name: (SHAPE, VARIANTS.get(name, VARIANTS["dense"])) for name in VARIANT_NAMES}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     if torch.device(device).type == "cuda":
         for name, (shape, routing) in variants.items():
@@ -294,19 +307,31 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
                     times[name].append(phases)
             del trainer
             torch.cuda.empty_cache()
-        return times, []
+        return times, {}
     trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
                 for name, (shape, r) in variants.items()}
     dtype = AMP_DTYPES.get(precision, torch.float32)
-    peaks = []
+    gemms = peak_gemms(dtype)
+    peaks: dict[str, list[float]] = {gemm: [] for gemm in gemms}
     for i in range(warmup + steps):
         for name in round_order(list(trainers), i):
             phases = trainers[name].step(clock)
             if i >= warmup:
                 times[name].append(phases)
-        if i >= warmup:
-            peaks.append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock))
+        for gemm, matmul in gemms.items() if i >= warmup else ():
+            peaks[gemm].append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock, matmul=matmul))
     return times, peaks
+
+
+def peak_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The CPU GEMMs whose best is the measured peak: torch's matmul (MKL's sgemm in float32, oneDNN
+    in bf16), and in float32 oneDNN's (kernels/cpu_linear.py), which megaroute's float32 linears use:
+    MFU is then measured against the faster GEMM this machine has, not the slower one."""
+    gemms = {"torch mm": torch.matmul}
+    probe = torch.empty(1, 1, dtype=dtype)
+    if cpu_linear.usable(probe, probe):
+        gemms["oneDNN"] = cpu_linear.matmul
+    return gemms
 
 
 class Profiled(NamedTuple):
@@ -413,17 +438,21 @@ def host_report(trainer: Trainer) -> str:
 
 
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
-           peaks: list[float], peak_size: int = 2048, speedup_targets: bool = True) -> str:
+           peaks: dict[str, list[float]], peak_size: int = 2048, speedup_targets: bool = True) -> str:
     """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
-    GFLOP/s and MFU (of the median step, against the best measured matmul); then the targets, and
-    each compiled variant against its eager twin."""
+    GFLOP/s and MFU (of the median step, against the best matmul of any GEMM in `peaks`, bench's
+    samples per GEMM); then the targets, and each compiled variant against its eager twin."""
     total = {name: [sum(p.values()) for p in steps] for name, steps in times.items()}
     med = {name: statistics.median(t) for name, t in total.items()}
-    peak = max(peaks)
+    best = {gemm: max(samples) for gemm, samples in peaks.items()}
+    fastest = max(best, key=best.get)
+    peak = best[fastest]
     dtype = "bf16" if precision == "bf16" else "fp32"
     width = max(11, *map(len, total))
+    others = "".join(f"; {gemm} {flops_per_s / 1e9:.1f}" for gemm, flops_per_s in best.items() if gemm != fastest)
     lines = [f"[{precision}] {len(next(iter(total.values())))} timed steps per variant, interleaved; measured "
-             f"{dtype} matmul peak ({peak_size}^3, best of {len(peaks)}): {peak / 1e9:.1f} GFLOP/s",
+             f"{dtype} matmul peak ({peak_size}^3, best of {len(peaks[fastest])}): {peak / 1e9:.1f} GFLOP/s "
+             f"({fastest}{others})",
              f"  {'variant':<{width}} {'FLOPs/dense':>11} {'step ms':>9} {'(best)':>8} {'step/dense':>10} "
              f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}   median ms: fwd / bwd / optim"]
     dense = med.get("dense")
@@ -445,18 +474,21 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
                 lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {speedup:.3f}x faster{verdict}")
             if name in total:
                 lines.append(f"         reference / {name}, {describe_rounds(total[REFERENCE], total[name])}")
-    for name in ("dense", f"dense{COMPILED}"):
-        for base in (BASELINE, f"{BASELINE}{COMPILED}"):
-            if name not in total or base not in total:
-                continue
-            ratios = ", ".join(f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}" for stat in (statistics.median, min))
-            ratio = statistics.median(total[name]) / statistics.median(total[base])
-            verdict = (f" (target <= {BASELINE_TARGET}) "
-                       f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]))}"
-                       if speedup_targets else "")
-            lines.append(f"  {name} step / {base} step (nanoGPT's architecture, FLOPs ratio "
-                         f"{flops[name] / flops[base]:.3f}): {ratios}{verdict}")
-            lines.append(f"         {name} / {base}, {describe_rounds(total[name], total[base])}")
+    # TORCH_GEMM: dense through the baseline's own GEMM (torch's mm), the model's share of the lead; no target
+    pairs = [(name, base) for name in ("dense", f"dense{COMPILED}") for base in (BASELINE, f"{BASELINE}{COMPILED}")]
+    for name, base in [*pairs, (TORCH_GEMM, BASELINE), ("dense", TORCH_GEMM)]:
+        if name not in total or base not in total:
+            continue
+        ratios = ", ".join(f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}" for stat in (statistics.median, min))
+        ratio = statistics.median(total[name]) / statistics.median(total[base])
+        verdict = (f" (target <= {BASELINE_TARGET}) "
+                   f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]))}"
+                   if speedup_targets and TORCH_GEMM not in (name, base) else "")
+        what = ("oneDNN's float32 GEMMs against torch's mm, the rest the same" if base == TORCH_GEMM else
+                f"nanoGPT's architecture, FLOPs ratio {flops[name] / flops[base]:.3f}"
+                + (", both through torch's mm" if name == TORCH_GEMM else ""))
+        lines.append(f"  {name} step / {base} step ({what}): {ratios}{verdict}")
+        lines.append(f"         {name} / {base}, {describe_rounds(total[name], total[base])}")
     if dense and "mod" in med:
         flops_ratio = flops["mod"] / flops["dense"]
         rounds = per_round(total["mod"], total["dense"])
@@ -679,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
-        variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name != REFERENCE})
+        # compiled, the linears are plain aten ops whichever GEMM the eager ones use: no dense_torch_gemm twin
+        variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name not in (REFERENCE, TORCH_GEMM)})
     if args.seq_len is None:  # the device's default, or the shortest context among the models compared
         args.seq_len = min(1024 if cuda else 256, *(shape.max_seq_len for shape, _ in variants.values()))
     for name, (shape, _) in variants.items():

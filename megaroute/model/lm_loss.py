@@ -11,7 +11,8 @@ gradients in forward, so backward only scales them by the loss's incoming scalar
 returned-logits path allocates the [N, V] logits and, in backward, their gradient: fresh,
 page-faulted allocations every step (64 MB each in float32 at nanoGPT's shape; in a 2-thread fp32
 step the head's forward matmul into the logits ran at 143 GFLOP/s, the fused loss's chunked ones
-at ~340). The fused one allocates no [N, V] tensor in float32 and one in 16 bits.
+at ~340). The fused one allocates no [N, V] tensor in float32 (a chunk's logits at a time; with
+oneDNN's GEMMs, kernels/cpu_linear.py, a fresh chunk buffer each) and one in 16 bits.
 tests/unit/model/test_fused.py holds both to F.linear + F.cross_entropy (values and gradients).
 """
 
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels import cpu
+from ..kernels import cpu, cpu_linear
 from ..parallel import parallel_argmax
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: such targets add no loss and do not count in the mean
@@ -165,7 +166,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, dtype, predictions):
+    def forward(ctx, h, weight, targets, dtype, predictions, onednn):
         ctx.grads = None
         with torch.autocast(h.device.type, enabled=False):
             N, V = h.shape[0], weight.shape[0]
@@ -179,28 +180,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # 16-bit with a gradient: the head's three matmuls whole, on one [N, V] buffer that holds the
             # logits, then their gradient; otherwise a chunk's logits at a time in one reused buffer
             whole = wants_grad and dtype != _math_dtype(dtype)
+            # float32 on CPU: the chunks' GEMMs through oneDNN (kernels/cpu_linear.py), each into a fresh
+            # buffer (it writes no out=): 194 -> 101 ms for the head's three at nanoGPT's shape, 2 threads
+            onednn = onednn and not whole and cpu_linear.usable(hc, wc)
             rows = N if whole else chunk_rows(N, V)
             tile = tile_rows(rows, V)
-            logits = torch.mm(hc, wc.t()) if whole else torch.empty(rows, V, dtype=dtype, device=h.device)
+            logits = torch.mm(hc, wc.t()) if whole else \
+                None if onednn else torch.empty(rows, V, dtype=dtype, device=h.device)
             losses = torch.empty(N, dtype=_math_dtype(dtype), device=h.device)
-            kernels = cpu.usable(logits) if N and V else None  # float32 / bf16 logits; keep and losses then float32
+            # float32 / bf16 logits (keep and losses then float32); oneDNN's chunks are fresh float32 CPU rows
+            kernels = cpu.usable(hc.new_empty(0) if logits is None else logits) if N and V else None
             work = None if dtype == _math_dtype(dtype) or kernels else torch.empty(tile, V, dtype=torch.float32,
                                                                                    device=h.device)
             if wants_grad and not whole:
                 grad_h = torch.empty(N, h.shape[1], dtype=dtype, device=h.device)
+            if wants_grad and not whole and not onednn:
                 # the first chunk's product is written, the rest accumulated: no zero-fill pass ([V, D])
                 grad_w = (torch.empty if N else torch.zeros)(V, h.shape[1], dtype=_math_dtype(weight.dtype),
                                                              device=h.device)
             for s in range(0, N, rows):
                 e = min(N, s + rows)
-                chunk = logits[s:e] if whole else torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
+                if whole:
+                    chunk = logits[s:e]
+                else:
+                    chunk = cpu_linear.matmul(hc[s:e], wc.t()) if onednn else \
+                        torch.mm(hc[s:e], wc.t(), out=logits[:e - s])
                 if kernels is not None:  # one pass per row; with keep, the chunk becomes its gradient
                     kernels.cross_entropy_rows(chunk, safe[s:e].view(-1), keep[s:e].view(-1) if wants_grad else None,
                                                losses[s:e], None if predictions is None else predictions[s:e])
                 else:
                     _cross_entropy_tiles(chunk, safe[s:e], keep[s:e] if wants_grad else None, losses[s:e], tile, work,
                                          None if predictions is None else predictions[s:e])
-                if wants_grad and not whole:
+                if wants_grad and onednn:
+                    grad_h[s:e] = cpu_linear.matmul(chunk, wc)
+                    part = cpu_linear.matmul(hc[s:e].t(), chunk)  # grad_w^T: oneDNN's fastest orientation
+                    grad_wt = part if s == 0 else grad_wt.add_(part)
+                elif wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     if s == 0:
                         torch.mm(chunk.t(), hc[s:e], out=grad_w)
@@ -209,6 +224,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if whole:
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
                 del logits
+            elif wants_grad and onednn:
+                grad_w = grad_wt.t().contiguous()
             if wants_grad:
                 ctx.grads = (grad_h, grad_w)
             ctx.dtypes = (h.dtype, weight.dtype)
@@ -222,7 +239,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         (grad_h, grad_w), ctx.grads = ctx.grads, None  # handed over: autograd may adopt grad_w as .grad
         if grad.item() != 1.0:  # CPU only: no device sync; the common case returns them unscaled
             grad_h, grad_w = grad_h * grad.to(grad_h.dtype), grad_w * grad
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -233,10 +250,11 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 
 @torch.no_grad()
-def linear_argmax(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_argmax(h: torch.Tensor, weight: torch.Tensor, onednn: bool = True) -> torch.Tensor:
     """The argmax token of logits h @ weight^T (h [..., D], weight [V, D], no bias) per position, in
     the dtype F.linear would use here, a chunk of rows (chunk_rows) at a time into one reused buffer:
-    no [N, V] logits (early exit's readouts; torch.argmax's index, parallel_argmax per chunk)."""
+    no [N, V] logits (early exit's readouts; torch.argmax's index, parallel_argmax per chunk).
+    `onednn`: float32 CPU chunks through oneDNN's GEMM (kernels/cpu_linear.py), as the head's linear."""
     flat = h.reshape(-1, h.shape[-1])
     dtype = _compute_dtype(h)
     with torch.autocast(h.device.type, enabled=False):
@@ -244,23 +262,26 @@ def linear_argmax(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         N, V = flat.shape[0], weight.shape[0]
         rows = chunk_rows(N, V)
         out = torch.empty(N, dtype=torch.long, device=h.device)
-        buf = torch.empty(rows, V, dtype=dtype, device=h.device)
+        onednn = onednn and cpu_linear.usable(hc, wc)  # float32 on CPU, as _LinearCrossEntropy's chunks
+        buf = None if onednn else torch.empty(rows, V, dtype=dtype, device=h.device)
         for s in range(0, N, rows):
             e = min(N, s + rows)
-            out[s:e] = parallel_argmax(torch.mm(hc[s:e], wc.t(), out=buf[:e - s]))
+            out[s:e] = parallel_argmax(cpu_linear.matmul(hc[s:e], wc.t()) if onednn else
+                                       torch.mm(hc[s:e], wc.t(), out=buf[:e - s]))
     return out.view(h.shape[:-1])
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         predictions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         predictions: Optional[torch.Tensor] = None, onednn: bool = True) -> torch.Tensor:
     """Mean cross-entropy of logits h @ weight^T (h [..., D], weight [V, D], no bias) against
     targets [...] (IGNORE_INDEX excluded), in the dtype F.linear would use here (autocast's lower
     precision, else h's), without materializing the logits; see _LinearCrossEntropy. predictions: a
-    contiguous int64 tensor shaped like targets, filled with the logits' argmax per position."""
+    contiguous int64 tensor shaped like targets, filled with the logits' argmax per position. `onednn`:
+    float32 CPU chunks through oneDNN's GEMM (kernels/cpu_linear.py; False: torch's mm, as F.linear)."""
     flat = targets.reshape(-1)
     if predictions is not None and not (predictions.dtype == torch.long and predictions.is_contiguous()
                                         and predictions.shape == targets.shape):
         raise ValueError(f"linear_cross_entropy: predictions must be a contiguous int64 tensor shaped like targets "
                          f"{tuple(targets.shape)}, got {predictions.dtype} {tuple(predictions.shape)}")
     return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, flat, _compute_dtype(h),
-                                     None if predictions is None else predictions.view(-1))
+                                     None if predictions is None else predictions.view(-1), onednn)

@@ -8,7 +8,8 @@ vocabulary. Losses never gather: they use the vocab-parallel cross-entropy.
 
 `fused` (default True; `set_fused(False)` switches the whole model to the reference math, kept for
 tests/unit/model/test_fused.py and the benchmark's "reference" row): fused RoPE and CPU bf16
-attention (attention.py), SwiGLU's one-function backward (mlp.py), RMSNorm's on CPU (norm.py) and,
+attention (attention.py), SwiGLU's one-function backward (mlp.py), RMSNorm's on CPU (norm.py), the
+float32 CPU linears' GEMMs through oneDNN (parallel/layers.py, kernels/cpu_linear.py) and,
 on CPU without TP, the LM loss computed a chunk of rows at a time (lm_loss.py): with
 `ForwardOptions(return_logits=False)` (the training loop's forward) the LM head runs inside the loss
 and the [B, T, V] logits never exist (`linear_cross_entropy`), otherwise on the returned logits
@@ -219,7 +220,7 @@ class Transformer(nn.Module):
         lm_loss = None
         if targets is not None:
             if fused_head:
-                lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets, predictions)
+                lm_loss = linear_cross_entropy(h, self.lm_head.weight, targets, predictions, self.lm_head.fused)
             elif local:
                 lm_loss = chunked_cross_entropy(logits, targets)
             else:
@@ -255,7 +256,7 @@ class Transformer(nn.Module):
     def _predict(self, h: torch.Tensor) -> torch.Tensor:
         """The argmax token of the final norm and LM head at hidden states h [B, T, D] (no grad)."""
         if self._head_inside(h):
-            return linear_argmax(self.norm(h), self.lm_head.weight)
+            return linear_argmax(self.norm(h), self.lm_head.weight, self.lm_head.fused)
         return parallel_argmax(self.lm_head(self.norm(h)), self.tp_group)
 
     def new_cache(self) -> KVCache:

@@ -9,7 +9,9 @@ Initialization builds the FULL master weight from the current RNG, then keeps th
 (`init_weight_`), so a model built from one seed is the same model at every TP size. The
 construction-time default init draws exactly what nn.Linear / nn.Embedding draw, so the RNG stream
 of everything built after a parallel layer is unchanged too. With group None (or size 1) each layer
-computes exactly what its plain counterpart computes. Sharded parameters carry
+computes what its plain counterpart computes: exactly with `fused = False` (Transformer.set_fused), to
+float32 rounding by default, where float32 CPU linears run their GEMMs through oneDNN
+(kernels/cpu_linear.py: a different summation order, 2x MKL's sgemm on AMD CPUs). Sharded parameters carry
 `tensor_model_parallel = True`, which DeepSpeed reads to count them once per TP group in grad norms.
 """
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import cpu, cpu_linear
 from .mappings import Group, copy_to_tp, gather_from_tp, reduce_from_tp, tp_rank, tp_size
 
 InitFn = Callable[[torch.Tensor], object]
@@ -77,6 +79,10 @@ class TensorParallelModule(nn.Module):
         self.weight.copy_(self.shard(full))
 
 
+def _linear(fused: bool) -> Callable[..., torch.Tensor]:
+    return cpu_linear.linear if fused else F.linear
+
+
 class ColumnParallelLinear(TensorParallelModule):
     """y = x W^T (+ b), output features split across TP ranks.
 
@@ -93,6 +99,7 @@ class ColumnParallelLinear(TensorParallelModule):
         tp = tp_size(group)
         _check_divisible(out_features, tp * chunks, "out_features")
         self.full_shape, self.shard_dim = (out_features, in_features), 0
+        self.fused = True  # float32 CPU GEMMs through oneDNN (kernels/cpu_linear.py); False: F.linear
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.bias = nn.Parameter(torch.empty(out_features // tp)) if bias else None
         if tp > 1:
@@ -111,7 +118,7 @@ class ColumnParallelLinear(TensorParallelModule):
             self.bias.copy_(shard_dim(full, 0, tp_rank(self.group), tp_size(self.group), self.chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        y = _linear(self.fused)(copy_to_tp(x, self.group), self.weight, self.bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -130,6 +137,7 @@ class RowParallelLinear(TensorParallelModule):
         tp = tp_size(group)
         _check_divisible(in_features, tp, "in_features")
         self.full_shape, self.shard_dim = (out_features, in_features), 1
+        self.fused = True  # as ColumnParallelLinear's
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if tp > 1:
@@ -144,7 +152,7 @@ class RowParallelLinear(TensorParallelModule):
             self.bias.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(_linear(self.fused)(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -11,7 +11,9 @@ from megaroute.bench import step
 from megaroute.config import ModelConfig
 from megaroute.config.schema import MoEConfig
 from megaroute.flops import flops_per_token, measure_matmul_flops
+from megaroute.kernels import cpu_linear
 from megaroute.model import build_model
+from megaroute.parallel import ColumnParallelLinear, RowParallelLinear
 from megaroute.model.routing.calibration import budget_gap
 
 
@@ -115,28 +117,29 @@ def test_report_figures_mean_their_labels():
              "dense": [{"forward": 0.4, "backward": 0.8, "optimizer": 0.0}] * 3,
              "mod": [{"forward": 0.3, "backward": 0.6, "optimizer": 0.0}] * 3}
     flops = {"reference": 1e6, "dense": 1e6, "mod": 0.7e6}
-    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[2e9, 4e9])
-    assert "fp32 matmul peak (2048^3, best of 2): 4.0 GFLOP/s" in out
+    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks={"torch mm": [2e9, 3e9], "oneDNN": [4e9, 1e9]})
+    # the peak is the faster GEMM's best (MFU against the slower one would flatter), the other beside it
+    assert "fp32 matmul peak (2048^3, best of 2): 4.0 GFLOP/s (oneDNN; torch mm 3.0)" in out
     # dense: 1000 tokens x 1 MFLOP in 1.2 s = 0.83 GFLOP/s = 20.8% of 4 GFLOP/s
     assert "  dense             1.000    1200.0   1200.0      1.000    1.00x      833      0.8  20.8%" in out
     # mod: 0.9 s / 1.2 s = 0.75 of dense's time for 0.7 of its FLOPs: 1.07x
     assert "  mod               0.700     900.0    900.0      0.750    1.07x" in out
     assert "median dense step vs reference (today's step): 1.333x faster (target >= 1.3) HOLDS" in out
     assert "1.07 x (target <= 1.05) MISSED" in out
-    assert "target >=" not in step.report("bf16", steps, 1000, flops, [4e9], speedup_targets=False)
+    assert "target >=" not in step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, speedup_targets=False)
     # per round: the ratio of the two variants' steps of the same round (rounds are interleaved)
     rounds = {"reference": [{"forward": t, "backward": 0.0, "optimizer": 0.0} for t in (1.0, 2.0, 1.2, 1.1)],
               "dense": [{"forward": t, "backward": 0.0, "optimizer": 0.0} for t in (0.8, 1.6, 1.0, 1.0)]}
-    out = step.report("fp32", rounds, 1000, {"reference": 1e6, "dense": 1e6}, [4e9])
+    out = step.report("fp32", rounds, 1000, {"reference": 1e6, "dense": 1e6}, {"torch mm": [4e9]})
     # ratios 1.25, 1.25, 1.2, 1.1 -> median 1.225, quartiles (inclusive) 1.175 and 1.25
     assert "reference / dense, per round: median 1.225, interquartile 1.175-1.250 of 4" in out
     # a target inside the per-round interquartile range: the verdict says the noise could flip it
-    out = step.report("bf16", rounds, 1000, {"reference": 1e6, "dense": 1e6}, [4e9])  # bf16 target: 1.2
+    out = step.report("bf16", rounds, 1000, {"reference": 1e6, "dense": 1e6}, {"torch mm": [4e9]})  # bf16 target: 1.2
     assert "1.150x faster (target >= 1.2) MISSED (within the noise: the per-round interquartile range " \
            "1.175-1.250 spans 1.200)" in out
     # --compile: the compiled dense step against the reference too, and against its eager twin
     steps["dense+compile"], flops["dense+compile"] = [{"forward": 0.3, "backward": 0.7, "optimizer": 0.0}] * 3, 1e6
-    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[4e9])
+    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks={"torch mm": [4e9]})
     assert "median dense+compile step vs reference (today's step): 1.600x faster (target >= 1.3) HOLDS" in out
     assert "dense+compile vs eager dense: median 1.200x; min 1.200x faster" in out
 
@@ -210,6 +213,54 @@ def test_reference_trainer_is_todays_step(small_shape):
 def test_measured_matmul_peak_is_positive():
     assert measure_matmul_flops(torch.float32, n=64, iters=2) > 0
     assert measure_matmul_flops(torch.bfloat16, n=64, iters=1, clock=time.thread_time) > 0
+    assert measure_matmul_flops(torch.float32, n=64, iters=1, matmul=cpu_linear.matmul) > 0
+
+
+def test_peak_gemms_time_the_gemm_the_linears_use():
+    """float32: torch's mm and oneDNN's (megaroute's float32 CPU linears, kernels/cpu_linear.py),
+    each computing a @ b; bf16 runs through torch's matmul (oneDNN already) only."""
+    gemms = step.peak_gemms(torch.float32)
+    assert list(gemms) == ["torch mm", "oneDNN"]
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    for matmul in gemms.values():
+        torch.testing.assert_close(matmul(a, b), a @ b)
+    assert list(step.peak_gemms(torch.bfloat16)) == ["torch mm"]
+
+
+def test_torch_gemm_variant_is_dense_with_torchs_linears(small_shape):
+    """dense_torch_gemm: the fused step, but every linear (and the LM head inside the loss) through
+    F.linear / torch's mm, the GEMM of the gpt2 baseline: it puts the model's share of dense's lead
+    apart from the GEMM library's. Same losses as dense to float32 rounding."""
+    variants = step.resolve_variants(["dense", step.TORCH_GEMM])
+    assert variants[step.TORCH_GEMM][1] == step.VARIANTS["dense"]
+    dense, torch_gemm = (step.variant_trainer(name, small_shape, step.VARIANTS["dense"], "fp32", 2, 16)
+                         for name in ("dense", step.TORCH_GEMM))
+    linears = [m for m in torch_gemm.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert linears and not any(m.fused for m in linears) and torch_gemm.model.fused
+    assert all(m.fused for m in dense.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)))
+    calls, original = [], cpu_linear._linear
+    losses, grads = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_linear, "_linear", lambda *args: calls.append(1) or original(*args))
+        for trainer in (torch_gemm, dense):
+            loss = trainer.model(trainer.tokens, targets=trainer.targets, **trainer.forward_kwargs).loss
+            losses.append(loss)
+            grads.append(torch.autograd.grad(loss, list(trainer.model.parameters())))
+            assert bool(calls) == (trainer is dense)  # oneDNN GEMMs in dense's step only
+    torch.testing.assert_close(losses[0], losses[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    torch_gemm.step()  # and it trains
+    steps = {"dense": [{"forward": 0.4, "backward": 0.4, "optimizer": 0.0}] * 3,
+             step.TORCH_GEMM: [{"forward": 0.5, "backward": 0.5, "optimizer": 0.0}] * 3,
+             "gpt2": [{"forward": 0.6, "backward": 0.6, "optimizer": 0.0}] * 3}
+    out = step.report("fp32", steps, tokens=64, flops=dict.fromkeys(steps, 1e6), peaks={"torch mm": [4e9]})
+    assert "dense_torch_gemm step / gpt2 step (nanoGPT's architecture, FLOPs ratio 1.000, both through torch's mm): " \
+           "median 0.833, min 0.833\n" in out
+    assert "dense step / dense_torch_gemm step (oneDNN's float32 GEMMs against torch's mm, the rest the same): " \
+           "median 0.800, min 0.800\n" in out
+    assert "dense step / gpt2 step (nanoGPT's architecture, FLOPs ratio 1.000): median 0.667, min 0.667 " \
+           "(target <= 0.9) HOLDS" in out
 
 
 def test_parallel_benchmark_communication_estimate():
@@ -262,7 +313,7 @@ def test_gpt2_baseline_trains_and_compares(capsys, small_shape):
                                 "gpt2": (small_shape, step.VARIANTS["dense"])}, 32)
     steps = {"dense": [{"forward": 0.4, "backward": 0.8, "optimizer": 0.0}] * 3,
              "gpt2": [{"forward": 0.6, "backward": 0.9, "optimizer": 0.1}] * 3}
-    out = step.report("fp32", steps, tokens=64, flops=flops, peaks=[4e9])
+    out = step.report("fp32", steps, tokens=64, flops=flops, peaks={"torch mm": [4e9]})
     ratio = flops["dense"] / flops["gpt2"]
     assert ratio != pytest.approx(1.0)
     # ... and it is the ratio of all their FLOPs, attention's scores included (which torch's counter
@@ -282,4 +333,4 @@ def test_gpt2_baseline_trains_and_compares(capsys, small_shape):
     assert ratio == pytest.approx(counted[1] / counted[0], rel=1e-9)
     assert f"dense step / gpt2 step (nanoGPT's architecture, FLOPs ratio {ratio:.3f}): median 0.750, min 0.750 " \
            "(target <= 0.9) HOLDS" in out
-    assert "target <=" not in step.report("fp32", steps, 64, flops, [4e9], speedup_targets=False)
+    assert "target <=" not in step.report("fp32", steps, 64, flops, {"torch mm": [4e9]}, speedup_targets=False)

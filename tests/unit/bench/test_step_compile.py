@@ -11,7 +11,7 @@ def test_report_compares_each_compiled_variant_with_its_eager_twin():
 
     steps = {"dense": phases(1.2), "mod": phases(0.9), "dense+compile": phases(1.0), "mod+compile": phases(0.75)}
     flops = {"dense": 1e6, "mod": 0.7e6, "dense+compile": 1e6, "mod+compile": 0.7e6}
-    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks=[4e9])
+    out = step.report("fp32", steps, tokens=1000, flops=flops, peaks={"torch mm": [4e9]})
     # rows of every variant, the name column widened to the longest name
     assert "\n  dense+compile       1.000    1000.0" in out and "\n  mod+compile         0.700     750.0" in out
     assert "dense+compile vs eager dense: median 1.200x; min 1.200x faster (eager step / compiled step)" in out

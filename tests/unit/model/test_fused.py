@@ -102,15 +102,16 @@ def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, he
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch-mm"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "eager"])
 @pytest.mark.parametrize("dtype,autocast,tol", [(torch.float32, False, 1e-6), (torch.float64, False, 1e-12),
                                                 (torch.float32, True, 1e-2), (torch.bfloat16, False, 1e-2)])
-def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol, kernels):
+def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dtype, autocast, tol, kernels, onednn):
     """The LM head inside the loss against F.linear then F.cross_entropy on float32 (float64) copies
     of the logits, over several chunks and tiles, with ignored targets: loss, grad_h, grad_weight,
     their dtypes, the incoming gradient's scale (a loss scaled by 3) and the predictions it reports
     (each row's argmax); with the CPU kernels' row pass (kernels/cpu.py, where built) and with the
-    eager tile loop."""
+    eager tile loop; float32 chunks' GEMMs through oneDNN (kernels/cpu_linear.py) and torch's mm."""
     monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)  # matmul chunks of 4 rows: 4, 4, 2
     monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 1)
     monkeypatch.setattr(lm_loss, "CE_TILE_ELEMENTS", 3 * 11)  # softmax tiles of 3 rows: partial ones in each chunk
@@ -122,7 +123,7 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
     targets[0, 1] = targets[1, 4] = IGNORE_INDEX
     predictions = torch.full((2, 5), -1)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = linear_cross_entropy(h, weight, targets, predictions)
+        loss = linear_cross_entropy(h, weight, targets, predictions, onednn)
         logits = torch.nn.functional.linear(h, weight)
     assert torch.equal(predictions, logits.argmax(-1))
     grads = torch.autograd.grad(3 * loss, (h, weight))
@@ -135,17 +136,18 @@ def test_linear_cross_entropy_matches_linear_then_cross_entropy(monkeypatch, dty
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
     assert grads[0][0, 1].abs().sum() == 0  # ignored targets get no gradient
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the loss alone
-        torch.testing.assert_close(linear_cross_entropy(h, weight, targets, predictions), loss.detach(),
+        torch.testing.assert_close(linear_cross_entropy(h, weight, targets, predictions, onednn), loss.detach(),
                                    rtol=tol, atol=tol)
     assert torch.equal(predictions, logits.argmax(-1))
     with pytest.raises(ValueError, match="predictions must be a contiguous int64 tensor shaped like targets"):
         linear_cross_entropy(h, weight, targets, torch.empty(10, dtype=torch.long))
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch-mm"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "eager"])
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                             (torch.float64, False)])
-def test_linear_argmax_is_the_argmax_of_linear(monkeypatch, dtype, autocast, kernels):
+def test_linear_argmax_is_the_argmax_of_linear(monkeypatch, dtype, autocast, kernels, onednn):
     """The head's argmax a chunk of rows at a time (chunks of 4 of 10 rows here) equals
     F.linear(h, weight).argmax(-1) in the dtype F.linear computes in, under autocast too; no grad."""
     monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 4 * 11)
@@ -155,7 +157,7 @@ def test_linear_argmax_is_the_argmax_of_linear(monkeypatch, dtype, autocast, ker
     h = torch.randn(2, 5, 6, dtype=dtype, requires_grad=True)
     weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        predictions = lm_loss.linear_argmax(h, weight)
+        predictions = lm_loss.linear_argmax(h, weight, onednn)
         expected = F.linear(h, weight).argmax(-1)
     assert predictions.shape == (2, 5) and not predictions.requires_grad
     assert torch.equal(predictions, expected)

@@ -1,0 +1,84 @@
+"""float32 CPU linears with their three GEMMs through oneDNN, the library torch's bf16 CPU matmuls
+and its inductor already use, instead of torch's float32 `mm` (MKL's sgemm in torch's wheels).
+
+    linear(x, weight, bias=None)   F.linear's values and gradients; oneDNN where `usable`, else F.linear
+    usable(x, weight)              whether linear takes the oneDNN path for these tensors
+    matmul(a, b)                   a @ b of 2-D float32 CPU matrices through the same GEMM
+
+Why: MKL picks its kernels by CPU vendor, and on AMD CPUs with AVX-512 (the EPYC CI machines) its
+sgemm ran at 203-222 GFLOP/s on a block's shapes (2048 x 384 x 384..2048, 2 threads) where oneDNN's
+ran at 467-496 (at 8192 outputs: 160 against 270), each at strict float32 (no bf16 or tf32 inner
+products: errors against float64 within 2-4x of MKL's, a different summation order). The three
+GEMMs are oriented the way oneDNN runs fastest: the weight gradient as (x^T g)^T, 400-430 GFLOP/s
+where g^T x ran at 300-350.
+
+The reference math (Transformer.set_fused(False), the `reference` variant of bench.step) keeps
+F.linear, and so does everything that must see the aten ops or other precisions: autocast (bf16
+already runs through oneDNN), torch.compile, FlopCounterMode and fake tensors (backend.aten_required),
+non-CPU tensors, empty inputs, or a torch without oneDNN or its `mkldnn::_linear_pointwise` op
+(which inductor's CPU linears lower to). tests/unit/kernels/test_cpu_linear.py holds the values and
+gradients to F.linear's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .backend import aten_required
+
+
+def _onednn_linear():
+    """torch.ops.mkldnn._linear_pointwise, or None where this torch does not have it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when linear(x, weight) runs through oneDNN (see the module docstring for when it does not)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.dim() == 2 and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu") and not aten_required() and _onednn_linear() is not None)
+
+
+def _linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x2d @ weight^T (+ bias) through oneDNN; any strides (oneDNN reads them in place)."""
+    return _onednn_linear()(x2d, weight, bias, "none", [], "")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, k] @ b [k, n] through oneDNN's float32 GEMM (the measured peak bench.step compares with)."""
+    return _linear(a, b.t())
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x2d, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2d, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _linear(g, weight.t()).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            # (x^T g)^T: oneDNN's fastest orientation here; contiguous, as the parameter's .grad is kept
+            grad_w = _linear(x2d.t(), g.t()).t().contiguous()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), its GEMMs through oneDNN where `usable` (float32 CPU), else F.linear."""
+    if not usable(x, weight) or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
+        return F.linear(x, weight, bias)
+    return _LinearFunction.apply(x, weight, bias)

@@ -1,0 +1,154 @@
+"""kernels/cpu_linear.py: float32 CPU linears through oneDNN against F.linear (values, gradients),
+where they step aside for F.linear, and the model wiring (Transformer.set_fused)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from megaroute.config import ModelConfig, RoutingConfig
+from megaroute.kernels import cpu_linear
+from megaroute.model import build_model
+from megaroute.parallel import ColumnParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(cpu_linear._onednn_linear() is None, reason="this torch has no oneDNN linear")
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch):
+    """The oneDNN GEMMs run, as (rows, inner, outputs) each."""
+    calls, original = [], cpu_linear._linear
+
+    def counted(x2d, weight, bias=None):
+        calls.append((x2d.shape[0], x2d.shape[1], weight.shape[0]))
+        return original(x2d, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "_linear", counted)
+    return calls
+
+
+def _reference(x, weight, bias, grad):
+    """F.linear's output and gradients, in float64."""
+    leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in (x, weight, bias) if t is not None]
+    out = F.linear(*leaves)
+    wanted = [t for t in leaves if t.requires_grad]
+    return out, torch.autograd.grad(out, wanted, grad.double()) if wanted else ()
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (2, 3, 5), (2, 1, 4, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("needs", ["all", "x", "weight"])
+def test_linear_matches_f_linear_and_its_gradients(gemm_calls, shape, bias, needs):
+    """Values and each wanted gradient against F.linear in float64, over 2-D and batched inputs,
+    with and without a bias, and when only x or only the weight wants a gradient (the GEMM for the
+    other is not run)."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=needs in ("all", "x"))
+    weight = torch.randn(6, 5, requires_grad=needs in ("all", "weight"))
+    b = torch.randn(6, requires_grad=needs == "all") if bias else None
+    out = cpu_linear.linear(x, weight, b)
+    assert out.shape == (*shape[:-1], 6) and out.dtype == torch.float32
+    grad = torch.randn_like(out)
+    wanted = [t for t in (x, weight, b) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, wanted, grad)
+    ref, ref_grads = _reference(x, weight, b, grad)
+    torch.testing.assert_close(out, ref.float())
+    for got, expected in zip(grads, ref_grads):
+        assert got.dtype == torch.float32 and got.shape == expected.shape and got.is_contiguous()
+        torch.testing.assert_close(got, expected.float())
+    rows = x.numel() // 5
+    expected_calls = [(rows, 5, 6)] + ([(rows, 6, 5)] if x.requires_grad else []) \
+        + ([(5, rows, 6)] if weight.requires_grad else [])  # forward, grad_x = g @ W, grad_W^T = x^T g
+    assert sorted(gemm_calls) == sorted(expected_calls)
+
+
+def test_linear_reads_strided_inputs_and_gradients():
+    """A transposed input (attention's heads laid back out) and a non-contiguous incoming gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, 3).transpose(0, 1).requires_grad_()
+    weight = torch.randn(8, 3, requires_grad=True)
+    out = cpu_linear.linear(x, weight)
+    grad = torch.randn(8, 5, 4).permute(2, 1, 0)
+    grads = torch.autograd.grad(out, (x, weight), grad)
+    ref, ref_grads = _reference(x, weight, None, grad)
+    torch.testing.assert_close(out, ref.float())
+    for got, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(got, expected.float())
+
+
+def test_linear_at_a_blocks_shape_is_float32_accurate():
+    """At a block's shape (2048 rows, 384 -> 1152) the errors against float64 stay at float32's
+    rounding (a bf16 or tf32 inner product would be ~1000x larger)."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 384, requires_grad=True)
+    weight = torch.randn(1152, 384, requires_grad=True)
+    out = cpu_linear.linear(x, weight)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, weight), grad)
+    ref, ref_grads = _reference(x, weight, None, grad)
+    for got, expected in zip((out, *grads), (ref, *ref_grads)):
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("case", ["bf16", "float64", "autocast", "empty", "flop-counter", "meta"])
+def test_linear_steps_aside_for_f_linear(gemm_calls, case):
+    """Other dtypes, autocast (its bf16 matmuls already run through oneDNN), empty inputs, dispatch
+    modes that must see the aten ops (FlopCounterMode counts the same FLOPs as F.linear's) and other
+    devices run F.linear itself."""
+    dtype = {"bf16": torch.bfloat16, "float64": torch.float64}.get(case, torch.float32)
+    device = "meta" if case == "meta" else "cpu"
+    x = torch.randn(0 if case == "empty" else 4, 5, dtype=dtype, device=device)
+    weight = torch.randn(6, 5, dtype=dtype, device=device)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
+        if case == "flop-counter":
+            with FlopCounterMode(display=False) as counter:
+                out = cpu_linear.linear(x, weight)
+            assert counter.get_total_flops() == 2 * 4 * 5 * 6
+        else:
+            out = cpu_linear.linear(x, weight)
+        expected = F.linear(x, weight)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if device == "cpu":
+        assert torch.equal(out, expected)  # F.linear's values bit for bit
+    assert not gemm_calls
+
+
+def test_a_bias_of_another_dtype_gets_f_linears_error():
+    with pytest.raises(RuntimeError):
+        cpu_linear.linear(torch.randn(4, 5), torch.randn(6, 5), torch.randn(6, dtype=torch.bfloat16))
+
+
+def test_matmul_is_a_at_b():
+    a, b = torch.randn(6, 4), torch.randn(4, 3)
+    torch.testing.assert_close(cpu_linear.matmul(a, b), a @ b)
+    torch.testing.assert_close(cpu_linear.matmul(a.t().contiguous().t(), b.t().contiguous().t()), a @ b)
+
+
+def test_model_linears_and_head_use_onednn_unless_set_fused_false(gemm_calls):
+    """Every projection (qkv, out, gate|up, down) and the LM head inside the loss run through oneDNN
+    in float32 by default; set_fused(False), the reference math, turns them all back to F.linear and
+    torch's mm, and the two models' losses and gradients agree to float32 rounding."""
+    shape = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    models = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        models.append(build_model(shape, RoutingConfig(method="mod", capacity=0.5)).set_fused(fused))
+    linears = [m for m in models[1].modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert len(linears) == 2 * 4 + 1 and not any(m.fused for m in linears)
+    tokens = torch.randint(0, 64, (2, 16))
+    results = []
+    for model in models:
+        gemm_calls.clear()
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results.append((loss, grads, list(gemm_calls)))
+    (loss, grads, calls), (ref_loss, ref_grads, ref_calls) = results
+    assert not ref_calls
+    # qkv's forward in both blocks (block 0 dense over 2 x 15 rows, block 1 routed: its k tokens), the
+    # head's logits, the gradient of h and of the weight (transposed), one chunk of 30 rows
+    qkv = sorted(rows for rows, inner, outputs in calls if (inner, outputs) == (32, 96))
+    assert len(qkv) == 2 and qkv[1] == 30 and 0 < qkv[0] < 30  # the routed block's on its k tokens
+    assert (30, 32, 64) in calls and (30, 64, 32) in calls and (32, 30, 64) in calls
+    torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
