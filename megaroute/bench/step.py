@@ -328,7 +328,7 @@ def peak_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Te
     in bf16), and in float32 oneDNN's (kernels/cpu_linear.py), which megaroute's float32 linears use:
     MFU is then measured against the faster GEMM this machine has, not the slower one."""
     gemms = {"torch mm": torch.matmul}
-    probe = torch.empty(1, 1, dtype=dtype)
+    probe = torch.empty(2, 2, dtype=dtype)
     if cpu_linear.usable(probe, probe):
         gemms["oneDNN"] = cpu_linear.matmul
     return gemms

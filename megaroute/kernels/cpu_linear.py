@@ -4,6 +4,7 @@ and its inductor already use, instead of torch's float32 `mm` (MKL's sgemm in to
     linear(x, weight, bias=None)   F.linear's values and gradients; oneDNN where `usable`, else F.linear
     usable(x, weight)              whether linear takes the oneDNN path for these tensors
     matmul(a, b)                   a @ b of 2-D float32 CPU matrices through the same GEMM
+    Linear                         nn.Linear through `linear` (the routing methods' gates and heads)
 
 Why: MKL picks its kernels by CPU vendor, and on AMD CPUs with AVX-512 (the EPYC CI machines) its
 sgemm ran at 203-222 GFLOP/s on a block's shapes (2048 x 384 x 384..2048, 2 threads) where oneDNN's
@@ -15,8 +16,9 @@ where g^T x ran at 300-350.
 The reference math (Transformer.set_fused(False), the `reference` variant of bench.step) keeps
 F.linear, and so does everything that must see the aten ops or other precisions: autocast (bf16
 already runs through oneDNN), torch.compile, FlopCounterMode and fake tensors (backend.aten_required),
-non-CPU tensors, empty inputs, or a torch without oneDNN or its `mkldnn::_linear_pointwise` op
-(which inductor's CPU linears lower to). tests/unit/kernels/test_cpu_linear.py holds the values and
+non-CPU tensors, empty inputs, one output feature (a gate's readout: torch's gemv took 10-45 us where
+oneDNN's call took 30-65), or a torch without oneDNN or its `mkldnn::_linear_pointwise` op (which
+inductor's CPU linears lower to). tests/unit/kernels/test_cpu_linear.py holds the values and
 gradients to F.linear's.
 """
 
@@ -26,6 +28,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .backend import aten_required
 
@@ -40,7 +43,7 @@ def _onednn_linear():
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when linear(x, weight) runs through oneDNN (see the module docstring for when it does not)."""
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.dim() == 2 and x.numel() > 0
+            and weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] > 1 and x.numel() > 0
             and not torch.is_autocast_enabled("cpu") and not aten_required() and _onednn_linear() is not None)
 
 
@@ -82,3 +85,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if not usable(x, weight) or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
         return F.linear(x, weight, bias)
     return _LinearFunction.apply(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, init and state dict) whose float32 CPU GEMMs run through oneDNN
+    (`linear`): the routing methods' gates, routers and heads, which run on every token. `fused`
+    False (Transformer.set_fused) runs F.linear."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (linear if self.fused else F.linear)(x, self.weight, self.bias)

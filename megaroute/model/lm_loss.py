@@ -194,6 +194,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                                                    device=h.device)
             if wants_grad and not whole:
                 grad_h = torch.empty(N, h.shape[1], dtype=dtype, device=h.device)
+            grad_wt = None  # oneDNN: grad_w^T [D, V], the first chunk's product, the rest added to it
             if wants_grad and not whole and not onednn:
                 # the first chunk's product is written, the rest accumulated: no zero-fill pass ([V, D])
                 grad_w = (torch.empty if N else torch.zeros)(V, h.shape[1], dtype=_math_dtype(weight.dtype),
@@ -214,7 +215,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if wants_grad and onednn:
                     grad_h[s:e] = cpu_linear.matmul(chunk, wc)
                     part = cpu_linear.matmul(hc[s:e].t(), chunk)  # grad_w^T: oneDNN's fastest orientation
-                    grad_wt = part if s == 0 else grad_wt.add_(part)
+                    grad_wt = part if grad_wt is None else grad_wt.add_(part)
                 elif wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     if s == 0:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ...config import DepthGateConfig, ModelConfig, RoutingConfig
 from ...kernels import reference
+from ...kernels.cpu_linear import Linear
 from ..block import TransformerBlock
 from ..mlp import SwiGLU
 from ..rope import Positions
@@ -47,8 +48,8 @@ class LowRankFFN(nn.Module):
 
     def __init__(self, d_model: int, rank: int):
         super().__init__()
-        self.up = nn.Linear(d_model, rank, bias=False)
-        self.down = nn.Linear(rank, d_model, bias=False)
+        self.up = Linear(d_model, rank, bias=False)
+        self.down = Linear(rank, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.up(x)))
@@ -63,7 +64,7 @@ class MLPScorer(nn.Module):
 
     def __init__(self, d_model: int, cfg: DepthGateConfig):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_model, cfg.gate_hidden), nn.SiLU(), nn.Linear(cfg.gate_hidden, 1))
+        self.net = nn.Sequential(Linear(d_model, cfg.gate_hidden), nn.SiLU(), Linear(cfg.gate_hidden, 1))
 
     def forward(self, u: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.net(u).squeeze(-1), None
@@ -74,10 +75,10 @@ class JEPAScorer(nn.Module):
 
     def __init__(self, d_model: int, cfg: DepthGateConfig):
         super().__init__()
-        self.context = nn.Linear(d_model, cfg.gate_hidden)
+        self.context = Linear(d_model, cfg.gate_hidden)
         self.action = nn.Embedding(2, cfg.gate_hidden)
-        self.forecast = nn.Sequential(nn.SiLU(), nn.Linear(cfg.gate_hidden, cfg.latent_dim))
-        self.readout = nn.Linear(cfg.latent_dim, 1)
+        self.forecast = nn.Sequential(nn.SiLU(), Linear(cfg.gate_hidden, cfg.latent_dim))
+        self.readout = Linear(cfg.latent_dim, 1)
         # Fixed target head: a frozen random projection, so the alignment target cannot collapse.
         self.register_buffer("target_head", torch.randn(cfg.latent_dim, d_model) / math.sqrt(d_model))
         self.align_kind = cfg.align_loss

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig, RoutingConfig
+from ...kernels.cpu_linear import Linear
 from ..block import TransformerBlock
 from ..rope import Positions
 from .context import RoutingContext
@@ -38,7 +39,7 @@ class EarlyExitLayer(nn.Module):
         super().__init__()
         self.block = block
         self.dispatcher = Dispatcher(cfg.dispatch)
-        self.exit_head = nn.Linear(model_cfg.d_model, 1) if head else None
+        self.exit_head = Linear(model_cfg.d_model, 1) if head else None
         self.threshold = cfg.early_exit.threshold
         self.loss_weight = cfg.early_exit.loss_weight
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig, RoutingConfig
+from ...kernels.cpu_linear import Linear
 from ..block import TransformerBlock
 from ..rope import Positions
 from .context import RoutingContext
@@ -44,7 +45,7 @@ from .spec import AuditModes, LayerFlops, MethodSpec, block_flops
 class HaltGate(nn.Module):
     def __init__(self, d_model: int, hidden: int, init_bias: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1, bias=False))
+        self.net = nn.Sequential(Linear(d_model, hidden), nn.SiLU(), Linear(hidden, 1, bias=False))
         # The output bias is a separate parameter: the model's init re-draws every nn.Linear
         # (zero bias) after construction, which would erase init_bias (the starting p). Shape [1],
         # not a scalar: DeepSpeed broadcasts parameters as byte views, which 0-dim tensors refuse.

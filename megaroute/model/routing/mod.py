@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig, RoutingConfig
+from ...kernels.cpu_linear import Linear
 from ..block import TransformerBlock
 from ..rope import Positions
 from . import dispatch
@@ -56,7 +57,7 @@ class CausalPredictor(nn.Module):
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_model, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(Linear(d_model, hidden), nn.SiLU(), Linear(hidden, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.detach()).squeeze(-1)

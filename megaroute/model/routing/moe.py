@@ -69,6 +69,7 @@ from torch import nn
 from ...config import Config, ModelConfig, RoutingConfig
 from ...config.schema import ConfigError, MoEConfig
 from ...kernels import reference, resolve
+from ...kernels.cpu_linear import Linear
 from ...parallel import experts as expert_parallel
 from ...parallel.mappings import Group, copy_to_tp, reduce_from_tp, tp_rank, tp_size
 from ..block import TransformerBlock
@@ -112,7 +113,7 @@ class MoEFFN(nn.Module):
         d, h, E = model_cfg.d_model, expert_hidden(model_cfg, moe), moe.num_experts
         self.cfg = moe
         self.dispatch = cfg.dispatch
-        self.router = nn.Linear(d, router_outputs or E, bias=False)
+        self.router = Linear(d, router_outputs or E, bias=False)
         # Initialised as the dense block's MLP (Transformer.reset_parameters): N(0, std), the residual
         # output projection scaled by 1/sqrt(2 n_layers).
         std = model_cfg.init_std

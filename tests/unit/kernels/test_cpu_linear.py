@@ -90,20 +90,20 @@ def test_linear_at_a_blocks_shape_is_float32_accurate():
         assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
-@pytest.mark.parametrize("case", ["bf16", "float64", "autocast", "empty", "flop-counter", "meta"])
+@pytest.mark.parametrize("case", ["bf16", "float64", "autocast", "empty", "flop-counter", "meta", "one-output"])
 def test_linear_steps_aside_for_f_linear(gemm_calls, case):
     """Other dtypes, autocast (its bf16 matmuls already run through oneDNN), empty inputs, dispatch
-    modes that must see the aten ops (FlopCounterMode counts the same FLOPs as F.linear's) and other
-    devices run F.linear itself."""
+    modes that must see the aten ops (FlopCounterMode counts the same FLOPs as F.linear's), other
+    devices and matrix-vector products (one output feature: a gate's readout) run F.linear itself."""
     dtype = {"bf16": torch.bfloat16, "float64": torch.float64}.get(case, torch.float32)
     device = "meta" if case == "meta" else "cpu"
     x = torch.randn(0 if case == "empty" else 4, 5, dtype=dtype, device=device)
-    weight = torch.randn(6, 5, dtype=dtype, device=device)
+    weight = torch.randn(1 if case == "one-output" else 6, 5, dtype=dtype, device=device)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
         if case == "flop-counter":
             with FlopCounterMode(display=False) as counter:
                 out = cpu_linear.linear(x, weight)
-            assert counter.get_total_flops() == 2 * 4 * 5 * 6
+            assert counter.get_total_flops() == 2 * 4 * 5 * 6  # F.linear's, counted as aten.mm
         else:
             out = cpu_linear.linear(x, weight)
         expected = F.linear(x, weight)
@@ -116,6 +116,25 @@ def test_linear_steps_aside_for_f_linear(gemm_calls, case):
 def test_a_bias_of_another_dtype_gets_f_linears_error():
     with pytest.raises(RuntimeError):
         cpu_linear.linear(torch.randn(4, 5), torch.randn(6, 5), torch.randn(6, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_module_is_nn_linear_through_onednn(gemm_calls, bias):
+    """cpu_linear.Linear (the routing methods' gates, routers and heads): nn.Linear's parameters, init
+    (the same draws from one seed) and state dict; its forward through oneDNN, and F.linear itself
+    with fused False (Transformer.set_fused)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(5, 6, bias=bias)
+    torch.manual_seed(0)
+    module = cpu_linear.Linear(5, 6, bias=bias)
+    assert isinstance(module, torch.nn.Linear) and module.fused
+    assert module.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), plain.parameters()))
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(module(x), plain(x))
+    assert gemm_calls == [(3, 5, 6)]
+    module.fused = False
+    assert torch.equal(module(x), plain(x)) and len(gemm_calls) == 1
 
 
 def test_matmul_is_a_at_b():
@@ -133,7 +152,8 @@ def test_model_linears_and_head_use_onednn_unless_set_fused_false(gemm_calls):
     for fused in (True, False):
         torch.manual_seed(0)
         models.append(build_model(shape, RoutingConfig(method="mod", capacity=0.5)).set_fused(fused))
-    linears = [m for m in models[1].modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    linears = [m for m in models[1].modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, cpu_linear.Linear))]
     assert len(linears) == 2 * 4 + 1 and not any(m.fused for m in linears)
     tokens = torch.randint(0, 64, (2, 16))
     results = []
@@ -152,3 +172,15 @@ def test_model_linears_and_head_use_onednn_unless_set_fused_false(gemm_calls):
     torch.testing.assert_close(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["halting", "depth_gate", "moe", "early_exit"])
+def test_routing_gates_run_through_onednn_and_follow_set_fused(method):
+    """Every linear of a routing method's own (gates, routers, heads, the depth gate's cheap FFN) is a
+    cpu_linear.Linear, so set_fused switches it with the rest of the model."""
+    shape = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    model = build_model(shape, RoutingConfig(method=method, every=2, offset=1))
+    gates = [m for name, m in model.layers[1].named_modules() if isinstance(m, torch.nn.Linear)]
+    assert gates and all(isinstance(m, cpu_linear.Linear) and m.fused for m in gates)
+    model.set_fused(False)
+    assert not any(m.fused for m in gates)
