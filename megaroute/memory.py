@@ -285,13 +285,15 @@ def backward_bytes(model: ModelConfig, seq_len: int, micro_batch: int, precision
     two T x V/tp fp32 tensors alive together; the chunked CPU loss: one logits-sized gradient. The
     LM head inside the loss (CPU training, `_fused_head`) needs none then: at the end of its forward,
     16-bit, the one T x V buffer that holds the logits and then their gradient, and a float32 tile;
-    float32, one chunk."""
+    float32, one chunk and one more float32 [V, d] (its GEMMs through oneDNN, kernels/cpu_linear.py,
+    accumulate the weight's gradient transposed: a chunk's partial beside it, then the transposed
+    copy)."""
     T, V = seq_len, model.vocab_size
     if _fused_head(device, tp, zero_stage):
         p = ACTIVATION_BYTES[precision]
         if p < 4:
             return micro_batch * T * V * p + _loss_tile_bytes(micro_batch * T, V)
-        return _loss_chunk_bytes(micro_batch * T, V, p)
+        return _loss_chunk_bytes(micro_batch * T, V, p) + V * model.d_model * 4
     if _chunked_loss(device, tp):
         return micro_batch * T * V * ACTIVATION_BYTES[precision]
     return 2 * micro_batch * T * V // tp * 4

@@ -216,12 +216,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_h[s:e] = cpu_linear.matmul(chunk, wc)
                     part = cpu_linear.matmul(hc[s:e].t(), chunk)  # grad_w^T: oneDNN's fastest orientation
                     grad_wt = part if grad_wt is None else grad_wt.add_(part)
+                    del part
                 elif wants_grad and not whole:
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     if s == 0:
                         torch.mm(chunk.t(), hc[s:e], out=grad_w)
                     else:
                         grad_w.addmm_(chunk.t(), hc[s:e])
+                del chunk  # oneDNN's chunks are fresh: freed before the next one is allocated
             if whole:
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
                 del logits
