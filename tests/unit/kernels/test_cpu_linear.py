@@ -38,16 +38,18 @@ def _reference(x, weight, bias, grad):
 @pytest.mark.parametrize("shape", [(7, 5), (2, 3, 5), (2, 1, 4, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("needs", ["all", "x", "weight"])
-def test_linear_matches_f_linear_and_its_gradients(gemm_calls, shape, bias, needs):
+@pytest.mark.parametrize("outputs", [6, 4], ids=["wider", "narrower"])
+def test_linear_matches_f_linear_and_its_gradients(gemm_calls, shape, bias, needs, outputs):
     """Values and each wanted gradient against F.linear in float64, over 2-D and batched inputs,
-    with and without a bias, and when only x or only the weight wants a gradient (the GEMM for the
-    other is not run)."""
+    with and without a bias, more or fewer outputs than inputs (the weight gradient's two
+    orientations), and when only x or only the weight wants a gradient (the GEMM for the other is
+    not run)."""
     torch.manual_seed(0)
     x = torch.randn(*shape, requires_grad=needs in ("all", "x"))
-    weight = torch.randn(6, 5, requires_grad=needs in ("all", "weight"))
-    b = torch.randn(6, requires_grad=needs == "all") if bias else None
+    weight = torch.randn(outputs, 5, requires_grad=needs in ("all", "weight"))
+    b = torch.randn(outputs, requires_grad=needs == "all") if bias else None
     out = cpu_linear.linear(x, weight, b)
-    assert out.shape == (*shape[:-1], 6) and out.dtype == torch.float32
+    assert out.shape == (*shape[:-1], outputs) and out.dtype == torch.float32
     grad = torch.randn_like(out)
     wanted = [t for t in (x, weight, b) if t is not None and t.requires_grad]
     grads = torch.autograd.grad(out, wanted, grad)
@@ -57,8 +59,10 @@ def test_linear_matches_f_linear_and_its_gradients(gemm_calls, shape, bias, need
         assert got.dtype == torch.float32 and got.shape == expected.shape and got.is_contiguous()
         torch.testing.assert_close(got, expected.float())
     rows = x.numel() // 5
-    expected_calls = [(rows, 5, 6)] + ([(rows, 6, 5)] if x.requires_grad else []) \
-        + ([(5, rows, 6)] if weight.requires_grad else [])  # forward, grad_x = g @ W, grad_W^T = x^T g
+    # forward, grad_x = g @ W, and grad_W^T = x^T g (wider outputs) or grad_W = g^T x (narrower)
+    weight_grad = (5, rows, outputs) if outputs > 5 else (outputs, rows, 5)
+    expected_calls = [(rows, 5, outputs)] + ([(rows, outputs, 5)] if x.requires_grad else []) \
+        + ([weight_grad] if weight.requires_grad else [])
     assert sorted(gemm_calls) == sorted(expected_calls)
 
 
