@@ -10,9 +10,11 @@ Why: MKL picks its kernels by CPU vendor, and on AMD CPUs with AVX-512 (the EPYC
 sgemm ran at 203-222 GFLOP/s on a block's shapes (2048 x 384 x 384..2048, 2 threads) where oneDNN's
 ran at 467-496 (at 8192 outputs: 160 against 270), each at strict float32 (no bf16 or tf32 inner
 products: errors against float64 within 2-4x of MKL's, a different summation order). The three
-GEMMs are oriented the way oneDNN runs fastest. It copies its first operand contiguous, so the
-weight gradient transposes the narrower side: (x^T g)^T for wider outputs (4.8 against 5.7 ms at
-2048 rows, 384 -> 1152), g^T x otherwise (4.5 against 5.3 ms at 1024 -> 384).
+GEMMs are oriented the way oneDNN runs fastest. It copies its first operand contiguous (a
+transposed copy runs ~8x slower than a plain one), so the weight gradient takes the orientation that
+copies fewer elements: (x^T g)^T at 2048 rows, 384 -> 1152 (4.8 against 5.7 ms), g^T x at
+1024 -> 384 (4.5 against 5.3 ms) and at MoD's 256 rows (a [2048, 384] transposed result copy alone
+took 0.65 ms there).
 
 The reference math (Transformer.set_fused(False), the `reference` variant of bench.step) keeps
 F.linear, and so does everything that must see the aten ops or other precisions: autocast (bf16
@@ -58,6 +60,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _linear(a, b.t())
 
 
+def _transposes_g(rows: int, inputs: int, outputs: int) -> bool:
+    """The weight gradient's orientation with the fewer elements copied: oneDNN copies its first
+    operand contiguous, so g^T x copies g^T [outputs, rows], and (x^T g)^T copies x^T [inputs, rows]
+    and then its [outputs, inputs] result."""
+    return outputs * rows <= inputs * rows + outputs * inputs
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -74,8 +83,8 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _linear(g, weight.t()).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            # oneDNN copies its first operand contiguous: the transposed copy of the narrower side
-            if weight.shape[0] <= weight.shape[1]:
+            (rows, inputs), outputs = x2d.shape, weight.shape[0]
+            if _transposes_g(rows, inputs, outputs):
                 grad_w = _linear(g.t(), x2d.t())  # g^T x
             else:  # (x^T g)^T, made contiguous, as the parameter's .grad is kept
                 grad_w = _linear(x2d.t(), g.t()).t().contiguous()

@@ -10,6 +10,7 @@ from megaroute.config import ModelConfig, RoutingConfig
 from megaroute.kernels import cpu_linear
 from megaroute.model import build_model
 from megaroute.parallel import ColumnParallelLinear, RowParallelLinear
+from megaroute.train.loop import TRAIN_FORWARD
 
 pytestmark = pytest.mark.skipif(cpu_linear._onednn_linear() is None, reason="this torch has no oneDNN linear")
 
@@ -59,11 +60,21 @@ def test_linear_matches_f_linear_and_its_gradients(gemm_calls, shape, bias, need
         assert got.dtype == torch.float32 and got.shape == expected.shape and got.is_contiguous()
         torch.testing.assert_close(got, expected.float())
     rows = x.numel() // 5
-    # forward, grad_x = g @ W, and grad_W^T = x^T g (wider outputs) or grad_W = g^T x (narrower)
-    weight_grad = (5, rows, outputs) if outputs > 5 else (outputs, rows, 5)
+    # forward, grad_x = g @ W, and grad_W = g^T x or grad_W^T = x^T g, whichever copies less
+    weight_grad = (outputs, rows, 5) if cpu_linear._transposes_g(rows, 5, outputs) else (5, rows, outputs)
     expected_calls = [(rows, 5, outputs)] + ([(rows, outputs, 5)] if x.requires_grad else []) \
         + ([weight_grad] if weight.requires_grad else [])
     assert sorted(gemm_calls) == sorted(expected_calls)
+
+
+@pytest.mark.parametrize("rows,inputs,outputs,transposes_g", [
+    (2048, 384, 1152, False), (2048, 384, 2048, False),  # a dense block's qkv and gate|up: (x^T g)^T
+    (2048, 1024, 384, True), (2048, 384, 384, True),  # its down and out projections: g^T x
+    (256, 384, 2048, True), (256, 384, 1152, True),  # MoD's 256 rows: the [2048, 384] result copy costs more
+])
+def test_weight_gradient_orientation_copies_fewer_elements(rows, inputs, outputs, transposes_g):
+    """The orientations measured fastest at nanoGPT's shapes (module docstring) are the ones the rule picks."""
+    assert cpu_linear._transposes_g(rows, inputs, outputs) == transposes_g
 
 
 def test_linear_reads_strided_inputs_and_gradients():
@@ -163,13 +174,14 @@ def test_model_linears_and_head_use_onednn_unless_set_fused_false(gemm_calls):
     results = []
     for model in models:
         gemm_calls.clear()
-        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:], options=TRAIN_FORWARD).loss
         grads = torch.autograd.grad(loss, list(model.parameters()))
         results.append((loss, grads, list(gemm_calls)))
     (loss, grads, calls), (ref_loss, ref_grads, ref_calls) = results
     assert not ref_calls
-    # qkv's forward in both blocks (block 0 dense over 2 x 15 rows, block 1 routed: its k tokens), the
-    # head's logits, the gradient of h and of the weight (transposed), one chunk of 30 rows
+    # qkv's forward in both blocks (block 0 dense over 2 x 15 rows, block 1 routed: its k tokens); the
+    # training forward's head inside the loss: logits, the gradient of h and of the weight (transposed),
+    # one chunk of 30 rows
     qkv = sorted(rows for rows, inner, outputs in calls if (inner, outputs) == (32, 96))
     assert len(qkv) == 2 and qkv[1] == 30 and 0 < qkv[0] < 30  # the routed block's on its k tokens
     assert (30, 32, 64) in calls and (30, 64, 32) in calls and (32, 30, 64) in calls
