@@ -51,7 +51,8 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x2d @ weight^T (+ bias) through oneDNN; any strides (oneDNN reads them in place)."""
+    """x2d @ weight^T (+ bias) through oneDNN: weight with any strides; x2d is copied contiguous first
+    when it is not (a transposed copy: see the weight gradient's orientation)."""
     return _onednn_linear()(x2d, weight, bias, "none", [], "")
 
 
