@@ -5,13 +5,17 @@
 Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
 with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
 fraction of token-layer ops executed (the gates still run): "even" masks pick tokens anywhere in
-the batch, "spread" masks give the sequences different fractions around f (see random_masks). At f = 1
+the batch, "spread" masks give the sequences different fractions around f (see random_masks). Every
+round draws fresh masks, each layer's fraction uniform in f +- JITTER (0.02), as real gates' counts
+move from layer to layer and batch to batch: one fixed set of masks let per-shape caches (oneDNN's
+primitive per row count) flatter the hard forward. At f = 1
 every token runs, and the hard layer runs its block as a dense layer does (ragged.update_rows): that
 row measures the gates, not the ragged dispatch.
 The dense model has the same shape. Reported: median forward time of each (no grad, eval, one
 torch thread, this thread's CPU time, dense and hard interleaved in one process, each round in its
 own shuffled order), their ratio, the interquartile range of the per-round ratios
-(bench/noise.py), the FLOPs ratio of the two forwards and the time ratio over it ("vs FLOPs": 1.00x =
+(bench/noise.py), the FLOPs ratio of the two forwards (the mean over the timed rounds' masks) and
+the time ratio over it ("vs FLOPs": 1.00x =
 time saved matches FLOPs saved). A forward's FLOPs: its matmuls by FlopCounterMode (the gates, the
 embedding and the LM head run on every token) plus attention's scores over each sequence's executed
 tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's counter has no formula
@@ -45,26 +49,34 @@ SHAPES = {
                   "model.max_seq_len=128", "model.vocab_size=128", "data.tokenizer.vocab_size=128"]),
 }
 TARGET = 0.88
+# Each layer's executed fraction varies by this much around f, and every round draws fresh masks: a
+# real gate's counts change from layer to layer and batch to batch, and per-shape costs (oneDNN builds a
+# primitive per new row count, kernels/cpu_linear.py) must show, not hide behind one fixed set of masks.
+JITTER = 0.02
 
 
 def random_masks(n_layers: int, B: int, T: int, frac: float, generator: torch.Generator,
-                 spread: bool = False) -> dict[str, torch.Tensor]:
+                 spread: bool = False, jitter: float = 0.0) -> dict[str, torch.Tensor]:
     """Per layer, a random [B, T] mask executing `frac` of the tokens. Even: exactly round(frac * B * T)
     True entries anywhere in the batch (row counts differ by chance only). Spread: row r executes
     round(f_r * T) random tokens, f_r evenly spaced over [2 frac - 1, 1] (or [0, 2 frac] below 0.5),
-    mean frac: sequences that need more or less depth, as content-dependent gates give."""
-    if spread:
-        lo, hi = (2 * frac - 1, 1.0) if frac >= 0.5 else (0.0, 2 * frac)
-        counts = [round(f * T) for f in torch.linspace(lo, hi, B).tolist()]
+    mean frac: sequences that need more or less depth, as content-dependent gates give. `jitter`:
+    each layer's fraction is drawn uniformly from frac +- jitter instead (clipped to [0, 1]), so the
+    executed counts change from layer to layer, as real gates' do."""
     masks = {}
     for i in range(n_layers):
+        f = frac
+        if jitter:
+            f = min(1.0, max(0.0, frac + jitter * (2 * torch.rand((), generator=generator).item() - 1)))
         if spread:
+            lo, hi = (2 * f - 1, 1.0) if f >= 0.5 else (0.0, 2 * f)
+            counts = [round(x * T) for x in torch.linspace(lo, hi, B).tolist()]
             rows = [torch.zeros(T, dtype=torch.bool).index_fill_(0, torch.randperm(T, generator=generator)[:c], True)
                     for c in counts]
             masks[f"layer_{i}"] = torch.stack(rows)
         else:
             mask = torch.zeros(B * T, dtype=torch.bool)
-            mask[torch.randperm(B * T, generator=generator)[: round(frac * B * T)]] = True
+            mask[torch.randperm(B * T, generator=generator)[: round(f * B * T)]] = True
             masks[f"layer_{i}"] = mask.view(B, T)
     return masks
 
@@ -109,29 +121,38 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (B, T), generator=g)
     cases = [(f, spread) for f in fracs for spread in (False, True) if not (spread and f in (0.0, 1.0))]  # same masks
-    masks = {c: random_masks(base.model.n_layers, B, T, c[0], g, spread=c[1]) for c in cases}
+    # fresh masks every round (JITTER); f = 1 stays every token
+    masks = {c: [random_masks(base.model.n_layers, B, T, c[0], g, spread=c[1], jitter=JITTER if c[0] < 1 else 0.0)
+                 for _ in range(warmup + repeats)] for c in cases}
 
     def dense():
         dense_model(tokens)
 
-    runs = {c: (lambda m=masks[c]: hard_model(tokens, options=ForwardOptions(mode="hard", masks=m))) for c in cases}
-    for _ in range(warmup):
+    def hard(m: dict[str, torch.Tensor]):
+        return lambda: hard_model(tokens, options=ForwardOptions(mode="hard", masks=m))
+
+    for r in range(warmup):
         dense()
-        for fn in runs.values():
-            fn()
-    fns = {"dense": dense, **runs}
-    times: dict = {name: [] for name in fns}
+        for c in cases:
+            hard(masks[c][r])()
+    times: dict = {name: [] for name in ("dense", *cases)}
     for r in range(repeats):  # interleaved: machine load drifts over all variants alike
+        fns = {"dense": dense, **{c: hard(masks[c][warmup + r]) for c in cases}}
         for name in round_order(list(fns), r):
             times[name].append(_cpu_time(fns[name]))
     d = base.model.d_model
     full = [torch.ones(B, T, dtype=torch.bool)] * base.model.n_layers
     dense_s = statistics.median(times["dense"])
     dense_flops = _matmul_flops(dense) + attention_flops(full, d)
+
+    def flops_ratio(case) -> float:  # the timed rounds' mean
+        timed = masks[case][warmup:]
+        return statistics.fmean(_matmul_flops(hard(m)) + attention_flops(list(m.values()), d) for m in timed) / dense_flops
+
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
              "ratio": statistics.median(times[c]) / dense_s, "rounds": per_round(times[c], times["dense"]),
-             "flops_ratio": (_matmul_flops(runs[c]) + attention_flops(list(masks[c].values()), d)) / dense_flops}
+             "flops_ratio": flops_ratio(c)}
             for c in cases]
 
 

@@ -16,7 +16,9 @@ Otherwise (bf16, autograd, no kernels) the sequences are sorted by count into
 attention.VARLEN_BUCKETS groups, each padded to its longest, with a fixed number of torch calls
 whatever the batch (no per-sequence Python loop): padded scores are bounded by the bucketing, padded
 projections are gone. Padding rows repeat a real row and follow the real ones, so no real query
-attends to them and their outputs are dropped.
+attends to them and their outputs are dropped. In float32 on CPU the flat rows are likewise padded
+to a multiple of the linears' row bucket (kernels/cpu_linear.py: oneDNN builds a primitive per row
+count, and every batch brings new counts), as one extra sequence of the last real row repeated.
 
 tests/unit/model/routing/test_ragged.py holds this path equal to the padded one, forward and
 backward, and forward_varlen equal to attention over each sequence alone. Incremental decoding (a
@@ -30,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels import cpu_linear
 from ..block import TransformerBlock
 from ..rope import Positions
 
@@ -67,8 +70,14 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
         delta = block.update(x, pos).reshape(B * T, D)
     else:
         lengths = counts.tolist()  # the one host sync: the attention layout depends on it
+        n = rows.shape[0]
+        padded = cpu_linear.bucket_rows(n, flat)
+        if padded > n:  # float32 CPU: every linear's rows a multiple of its row bucket, without a copy each
+            rows = torch.cat([rows, rows[-1:].expand(padded - n)])  # the last real row, repeated, as
+            lengths = [*lengths, padded - n]  # a sequence of its own: no real token attends to it
         sel = Positions(pos.rope, pos.positions.reshape(B * T).index_select(0, rows).unsqueeze(1))  # [N, 1]
         delta = block.recomputed(partial(_update, block, lengths), flat.index_select(0, rows), sel.cos, sel.sin)
+        rows, delta = rows[:n], delta[:n]
     acc = torch.promote_types(torch.float32, torch.promote_types(x.dtype, delta.dtype))
     if weight is not None:
         acc = torch.promote_types(acc, weight.dtype)

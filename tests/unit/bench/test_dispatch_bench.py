@@ -22,6 +22,18 @@ def test_masks_execute_their_fraction(frac, spread):
             assert counts.max() - counts.min() >= 0.5 * 64 * min(frac, 1 - frac)  # rows really differ
 
 
+@pytest.mark.parametrize("spread", [False, True])
+def test_jittered_masks_move_their_counts_from_layer_to_layer(spread):
+    """The benchmark's masks (JITTER): each layer's fraction within frac +- jitter, and the executed
+    counts differ between layers (one fixed count would let oneDNN's per-shape primitives stay cached)."""
+    from megaroute.bench.dispatch import JITTER
+
+    masks = random_masks(12, 8, 256, 0.8, torch.Generator().manual_seed(0), spread=spread, jitter=JITTER)
+    fractions = [mask.float().mean().item() for mask in masks.values()]
+    assert all(abs(f - 0.8) <= JITTER + 1 / 256 for f in fractions)
+    assert len({int(mask.sum()) for mask in masks.values()}) > 6
+
+
 def test_flops_ratio_counts_attention_over_the_executed_tokens():
     """The FLOPs ratio's two counts: matmuls (FlopCounterMode) plus attention's scores over each sequence's
     executed tokens. Dense, they equal megaroute.flops' analytic forward (which counts the scores that

@@ -130,6 +130,7 @@ def _eager_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,V", [(3, 1), (5, 7), (4, 37), (0, 16), (300, 1000)])
 def test_cross_entropy_rows_matches_the_eager_tile_loop(kernels, dtype, rows, V):
+    torch.manual_seed(rows * 1000 + V)  # its own draws, whichever tests ran before it in this process
     logits = (4 * torch.randn(rows, V)).to(dtype)
     target = torch.randint(0, V, (rows,))
     if rows:
@@ -145,7 +146,8 @@ def test_cross_entropy_rows_matches_the_eager_tile_loop(kernels, dtype, rows, V)
     kernels.cross_entropy_rows(plain, target, keep, losses)  # with keep: the rows become their gradient
     torch.testing.assert_close(losses, ref_losses, rtol=2e-6, atol=2e-6)
     if dtype == torch.float32:
-        torch.testing.assert_close(plain, ref_grad, rtol=2e-6, atol=1e-7)
+        # gradients are probabilities (<= 1) computed in another order: 2 ulps of 1.0 absolute
+        torch.testing.assert_close(plain, ref_grad, rtol=2e-6, atol=2.5e-7)
     else:  # one bf16 rounding of float32 values that may differ in their last bits (the sum's order)
         torch.testing.assert_close(plain.float(), ref_grad.float(), rtol=8e-3, atol=1e-6)
     assert not plain[::3].any()

@@ -200,3 +200,26 @@ def test_routing_gates_run_through_onednn_and_follow_set_fused(method):
     assert gates and all(isinstance(m, cpu_linear.Linear) and m.fused for m in gates)
     model.set_fused(False)
     assert not any(m.fused for m in gates)
+
+
+@pytest.mark.parametrize("rows", [64, 100, 129, 192])
+def test_rows_are_bucketed_so_ragged_counts_reuse_onednns_primitives(gemm_calls, rows):
+    """Beyond one bucket every GEMM runs on rows rounded up to a multiple of ROW_BUCKET (zero rows
+    appended; oneDNN builds a primitive per shape and ragged selections bring a new row count every
+    batch); outputs and gradients are F.linear's, the padding never leaks into them."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 40, requires_grad=True)
+    weight = torch.randn(24, 40, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True)
+    out = cpu_linear.linear(x, weight, bias)
+    assert out.shape == (rows, 24)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, weight, bias), grad)
+    ref, ref_grads = _reference(x, weight, bias, grad)
+    torch.testing.assert_close(out, ref.float())
+    for got, expected in zip(grads, ref_grads):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected.float())
+    padded = -(-rows // cpu_linear.ROW_BUCKET) * cpu_linear.ROW_BUCKET
+    assert {call[0] for call in gemm_calls} | {call[1] for call in gemm_calls} >= {padded}
+    assert rows == padded or all(rows not in call for call in gemm_calls)

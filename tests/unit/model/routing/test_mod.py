@@ -365,7 +365,7 @@ def test_no_per_sample_python_loop(make_model, mode):
     # The number of torch calls a forward makes does not depend on the batch size.
     model, cfg = make_model(*MOD, "routing.causal_method=predictor")
     counts = []
-    for B in (1, 6):
+    for B in (1, 5):  # within one row bucket of the float32 CPU linears (routing_checks.op_counts)
         with _OpCounter() as counter:
             model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode))
         counts.append(counter.calls)

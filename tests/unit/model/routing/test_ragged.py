@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megaroute.config import ModelConfig
+from megaroute.kernels import cpu_linear
 from megaroute.model.attention import BucketLayout, CausalSelfAttention, _length_buckets
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
@@ -94,6 +95,38 @@ def test_ragged_float32_close_to_padded():
     out = update_masked(block, x, pos, mask, dispatcher=d)
     ref = update_padded(block, x, pos, idx, None, valid, dispatcher=d)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_ragged_float32_pads_its_rows_to_the_linears_row_bucket(monkeypatch, grad):
+    """float32 CPU: the flat rows are padded once (the last real row repeated, as a sequence of its
+    own) to a multiple of the oneDNN linears' row bucket (a bucket of 8 here), so no linear pads its
+    own input; outputs and gradients equal the padded path's, inference (the fused varlen kernels)
+    and training alike."""
+    monkeypatch.setattr(cpu_linear, "ROW_BUCKET", 8)
+    linear_rows, own_padding = [], []
+    gemm, bucketed = cpu_linear._linear, cpu_linear._bucketed
+    monkeypatch.setattr(cpu_linear, "_linear", lambda x2d, *args: linear_rows.append(x2d.shape[0]) or gemm(x2d, *args))
+    monkeypatch.setattr(cpu_linear, "_bucketed", lambda t: own_padding.append(t.shape[0]) or bucketed(t))
+    block, pos = _setup(seed=3)
+    block.float().train(grad)
+    d = Dispatcher("torch")
+    mask = _masks(6)[0]
+    n = int(mask.sum())
+    assert n > 8 and n % 8  # padded: the case under test
+    idx, valid = dispatch.mask_indices(mask)
+    x = torch.randn(B, T, 32)
+    with torch.set_grad_enabled(grad):
+        out, grads = _run(lambda x, w: update_masked(block, x, pos, mask, dispatcher=d), block, x, None) if grad else \
+            (update_masked(block, x, pos, mask, dispatcher=d), [])
+        forward, ragged_calls = list(linear_rows), list(own_padding)
+        ref, ref_grads = _run(lambda x, w: update_padded(block, x, pos, idx, None, valid, dispatcher=d), block, x, None) \
+            if grad else (update_padded(block, x, pos, idx, None, valid, dispatcher=d), [])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert -(-n // 8) * 8 in forward  # the projections ran on the padded rows (and backward, with grad)
+    assert ragged_calls and all(rows % 8 == 0 for rows in ragged_calls)  # no linear had rows left to pad
 
 
 # ----------------------------------------------------------------------------- varlen attention (attention.py)
