@@ -214,7 +214,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                          None if predictions is None else predictions[s:e])
                 if wants_grad and onednn:
                     grad_h[s:e] = cpu_linear.matmul(chunk, wc)
-                    part = cpu_linear.matmul(hc[s:e].t(), chunk)  # grad_w^T: oneDNN's fastest orientation
+                    # grad_w^T = h^T g: oneDNN copies only h^T [D, rows] (cpu_linear._transposes_g's choice)
+                    part = cpu_linear.matmul(hc[s:e].t(), chunk)
                     grad_wt = part if grad_wt is None else grad_wt.add_(part)
                     del part
                 elif wants_grad and not whole:
@@ -257,7 +258,8 @@ def linear_argmax(h: torch.Tensor, weight: torch.Tensor, onednn: bool = True) ->
     """The argmax token of logits h @ weight^T (h [..., D], weight [V, D], no bias) per position, in
     the dtype F.linear would use here, a chunk of rows (chunk_rows) at a time into one reused buffer:
     no [N, V] logits (early exit's readouts; torch.argmax's index, parallel_argmax per chunk).
-    `onednn`: float32 CPU chunks through oneDNN's GEMM (kernels/cpu_linear.py), as the head's linear."""
+    `onednn`: float32 CPU chunks through oneDNN's GEMM (kernels/cpu_linear.py), as the head's linear,
+    each into a fresh buffer (it writes no out=)."""
     flat = h.reshape(-1, h.shape[-1])
     dtype = _compute_dtype(h)
     with torch.autocast(h.device.type, enabled=False):
