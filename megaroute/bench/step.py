@@ -224,7 +224,7 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
     impl = {"foreach": None} if reference else {}
     model.set_fused(not reference)
     for module in model.modules() if torch_gemm else ():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, cpu_linear.Linear)):
             module.fused = False
     if compile:
         model.compile_blocks()  # the blocks keep the math set_fused chose

@@ -1,8 +1,10 @@
 """float32 CPU linears with their three GEMMs through oneDNN, the library torch's bf16 CPU matmuls
 and its inductor already use, instead of torch's float32 `mm` (MKL's sgemm in torch's wheels).
 
-    linear(x, weight, bias=None)   F.linear's values and gradients; oneDNN where `usable`, else F.linear
-    usable(x, weight)              whether linear takes the oneDNN path for these tensors
+    linear(x, weight, bias=None, fused=True)
+                                   F.linear's values and gradients; oneDNN where `usable` (and `fused`),
+                                   else F.linear
+    usable(x, weight, bias=None)   whether linear takes the oneDNN path for these tensors
     matmul(a, b)                   a @ b of 2-D float32 CPU matrices through the same GEMM
     Linear                         nn.Linear through `linear` (the routing methods' gates and heads)
 
@@ -27,6 +29,7 @@ gradients to F.linear's.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -44,6 +47,7 @@ from .backend import aten_required
 ROW_BUCKET = 64
 
 
+@functools.cache
 def _onednn_linear():
     """torch.ops.mkldnn._linear_pointwise, or None where this torch does not have it."""
     if not torch.backends.mkldnn.is_available():
@@ -51,25 +55,28 @@ def _onednn_linear():
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
-def _float32_cpu(t: torch.Tensor) -> bool:
-    """t's GEMMs would run through oneDNN here: float32 on CPU, no autocast, no dispatch mode, oneDNN built."""
-    return (t.device.type == "cpu" and t.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-            and not aten_required() and _onednn_linear() is not None)
+def _float32_cpu(*tensors: torch.Tensor) -> bool:
+    """GEMMs of these tensors would run through oneDNN here: all float32 on CPU, no autocast, no
+    dispatch mode, oneDNN built."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.is_autocast_enabled("cpu") and not aten_required() and _onednn_linear() is not None)
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when linear(x, weight) runs through oneDNN (see the module docstring for when it does not)."""
-    return (_float32_cpu(x) and _float32_cpu(weight) and weight.dim() == 2 and weight.shape[0] > 1
-            and x.numel() > 0)
+def usable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """True when linear(x, weight, bias) runs through oneDNN (see the module docstring for when it does not)."""
+    return (weight.dim() == 2 and weight.shape[0] > 1 and x.numel() > 0
+            and _float32_cpu(x, weight, *(() if bias is None else (bias,))))
 
 
 def bucket_rows(rows: int, like: torch.Tensor) -> int:
     """`rows` rounded up to the row bucket `linear` pads to for float32 CPU tensors like `like` (rows
     itself within one bucket, or where oneDNN does not run): callers that lay out their rows anyway
     (the ragged routed path) pad once, and then no linear copies its input to pad it."""
-    if rows <= ROW_BUCKET or not _float32_cpu(like):
-        return rows
-    return math.ceil(rows / ROW_BUCKET) * ROW_BUCKET
+    return _bucket(rows) if _float32_cpu(like) else rows
+
+
+def _bucket(rows: int) -> int:
+    return rows if rows <= ROW_BUCKET else math.ceil(rows / ROW_BUCKET) * ROW_BUCKET
 
 
 def _linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -91,9 +98,10 @@ def _transposes_g(rows: int, inputs: int, outputs: int) -> bool:
 
 
 def _bucketed(t2d: torch.Tensor) -> torch.Tensor:
-    """t2d [rows, n] (float32 CPU) with zero rows appended up to bucket_rows."""
+    """t2d [rows, n] with zero rows appended up to the row bucket: arithmetic only, so backward pads g
+    as forward padded x whatever dispatch mode or autocast state backward runs under."""
     rows = t2d.shape[0]
-    size = bucket_rows(rows, t2d)
+    size = _bucket(rows)
     if size == rows:
         return t2d
     padded = t2d.new_empty(size, t2d.shape[1])
@@ -105,10 +113,11 @@ def _bucketed(t2d: torch.Tensor) -> torch.Tensor:
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        x2d = _bucketed(x.reshape(-1, x.shape[-1]))
+        x2d = x.reshape(-1, x.shape[-1])
+        rows = x2d.shape[0]
+        x2d = _bucketed(x2d)
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        rows = x.numel() // x.shape[-1]
         return _linear(x2d, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -131,9 +140,11 @@ class _LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), its GEMMs through oneDNN where `usable` (float32 CPU), else F.linear."""
-    if not usable(x, weight) or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           fused: bool = True) -> torch.Tensor:
+    """F.linear(x, weight, bias), its GEMMs through oneDNN where `usable` (float32 CPU); F.linear itself
+    elsewhere and with `fused` False (a module's switch, Transformer.set_fused)."""
+    if not (fused and usable(x, weight, bias)):
         return F.linear(x, weight, bias)
     return _LinearFunction.apply(x, weight, bias)
 
@@ -148,4 +159,4 @@ class Linear(nn.Linear):
         self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (linear if self.fused else F.linear)(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fused)

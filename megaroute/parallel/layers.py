@@ -79,10 +79,6 @@ class TensorParallelModule(nn.Module):
         self.weight.copy_(self.shard(full))
 
 
-def _linear(fused: bool) -> Callable[..., torch.Tensor]:
-    return cpu_linear.linear if fused else F.linear
-
-
 class ColumnParallelLinear(TensorParallelModule):
     """y = x W^T (+ b), output features split across TP ranks.
 
@@ -118,7 +114,7 @@ class ColumnParallelLinear(TensorParallelModule):
             self.bias.copy_(shard_dim(full, 0, tp_rank(self.group), tp_size(self.group), self.chunks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _linear(self.fused)(copy_to_tp(x, self.group), self.weight, self.bias)
+        y = cpu_linear.linear(copy_to_tp(x, self.group), self.weight, self.bias, self.fused)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -152,7 +148,7 @@ class RowParallelLinear(TensorParallelModule):
             self.bias.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(_linear(self.fused)(x, self.weight), self.group)
+        y = reduce_from_tp(cpu_linear.linear(x, self.weight, fused=self.fused), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

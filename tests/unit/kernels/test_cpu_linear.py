@@ -223,3 +223,18 @@ def test_rows_are_bucketed_so_ragged_counts_reuse_onednns_primitives(gemm_calls,
     padded = -(-rows // cpu_linear.ROW_BUCKET) * cpu_linear.ROW_BUCKET
     assert {call[0] for call in gemm_calls} | {call[1] for call in gemm_calls} >= {padded}
     assert rows == padded or all(rows not in call for call in gemm_calls)
+
+
+def test_backward_under_a_dispatch_mode_pads_as_forward_did():
+    """Forward padded x to the row bucket; a backward run under a dispatch mode (FlopCounterMode
+    around loss.backward()) must pad g the same way: the bucket is arithmetic, not a re-check."""
+    torch.manual_seed(0)
+    x = torch.randn(100, 40, requires_grad=True)
+    weight = torch.randn(24, 40, requires_grad=True)
+    out = cpu_linear.linear(x, weight)
+    grad = torch.randn_like(out)
+    with FlopCounterMode(display=False):
+        grads = torch.autograd.grad(out, (x, weight), grad)
+    _, ref_grads = _reference(x, weight, None, grad)
+    for got, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(got, expected.float())
