@@ -1,6 +1,7 @@
 """Routed savings on the clock: a hard-halting forward vs a dense forward at the same shape.
 
     python -m megaroute.bench.dispatch [--shapes nanogpt,char] [--fracs 1.0,0.8,0.5] [--repeats 15]
+                                       [--allocator keep|defaults]
 
 Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
 with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
@@ -22,6 +23,12 @@ tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's cou
 for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
 interquartile range spans it.
+
+Each line also prints the median minor page faults of a dense and of a hard forward (allocator.py):
+a forward that faults in memory freed back to the OS pays for it in its time, and when either side
+faults `FAULTED_PAGES` or more the verdict says so. `--allocator keep` (the default) keeps freed
+memory, so neither side does; `--allocator defaults` measures glibc's defaults, where whether a
+forward's large tensors come back from the heap or from the OS differs from process to process.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..argtypes import comma_list, one_of, positive_int, unit_interval
 from ..config import load_config
 from ..model import ForwardOptions, build_model
+from . import allocator
 from .noise import per_round, round_order, verdict
 
 aten = torch.ops.aten
@@ -53,6 +61,8 @@ TARGET = 0.88
 # real gate's counts change from layer to layer and batch to batch, and per-shape costs (oneDNN builds a
 # primitive per new row count, kernels/cpu_linear.py) must show, not hide behind one fixed set of masks.
 JITTER = 0.02
+# A forward faulting in this many pages (1 MiB) or more has memory handed back to the OS in its time.
+FAULTED_PAGES = 256
 
 
 def random_masks(n_layers: int, B: int, T: int, frac: float, generator: torch.Generator,
@@ -81,10 +91,11 @@ def random_masks(n_layers: int, B: int, T: int, frac: float, generator: torch.Ge
     return masks
 
 
-def _cpu_time(fn) -> float:
-    t0 = time.thread_time()
+def _cpu_time(fn) -> tuple[float, int]:
+    """fn's CPU time on this thread and the page faults it took."""
+    faults, t0 = allocator.page_faults(), time.thread_time()
     fn()
-    return time.thread_time() - t0
+    return time.thread_time() - t0, allocator.page_faults() - faults
 
 
 def _matmul_flops(fn) -> int:
@@ -136,10 +147,13 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
         for c in cases:
             hard(masks[c][r])()
     times: dict = {name: [] for name in ("dense", *cases)}
+    faults: dict = {name: [] for name in ("dense", *cases)}
     for r in range(repeats):  # interleaved: machine load drifts over all variants alike
         fns = {"dense": dense, **{c: hard(masks[c][warmup + r]) for c in cases}}
         for name in round_order(list(fns), r):
-            times[name].append(_cpu_time(fns[name]))
+            seconds, pages = _cpu_time(fns[name])
+            times[name].append(seconds)
+            faults[name].append(pages)
     d = base.model.d_model
     full = [torch.ones(B, T, dtype=torch.bool)] * base.model.n_layers
     dense_s = statistics.median(times["dense"])
@@ -152,7 +166,8 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
              "ratio": statistics.median(times[c]) / dense_s, "rounds": per_round(times[c], times["dense"]),
-             "flops_ratio": flops_ratio(c)}
+             "flops_ratio": flops_ratio(c), "dense_faults": statistics.median(faults["dense"]),
+             "hard_faults": statistics.median(faults[c])}
             for c in cases]
 
 
@@ -164,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
                    help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
+    p.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
+                   help="keep (default): glibc keeps freed memory; defaults: glibc's defaults (see above)")
     args = p.parse_args(argv)
+    print(allocator.apply(args.allocator))
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
-          f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8}")
+          f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8} {'faults/fwd':>13}")
     for s in args.shapes:
         for r in bench_shape(s, args.fracs, args.repeats):
             note = "" if r["frac"] != 0.8 else "  " + verdict(r["ratio"], TARGET, r["rounds"], met="OK",
@@ -175,8 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
                   f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
-                  f"{r['ratio'] / r['flops_ratio']:>7.2f}x{note}")
+                  f"{r['ratio'] / r['flops_ratio']:>7.2f}x {r['dense_faults']:>6.0f}/{r['hard_faults']:<6.0f}"
+                  f"{note}{faulted(r['dense_faults'], r['hard_faults'])}")
     return 0
+
+
+def faulted(dense_pages: float, hard_pages: float) -> str:
+    """The warning a line carries when a side's median forward faulted in FAULTED_PAGES or more."""
+    if max(dense_pages, hard_pages) < FAULTED_PAGES:
+        return ""
+    return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: memory freed "
+            f"back to the OS is faulted in again inside the timed forwards; --allocator keep avoids it)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Engine overhead: the same model stepped by DeepSpeed (1 process, ZeRO 0) and by a plain loop.
 
-    python -m megaroute.bench.engine [--steps 20] [--models tiny,384] [--threads 1]
+    python -m megaroute.bench.engine [--steps 20] [--models tiny,384] [--threads 1] [--allocator keep|defaults]
 
 Both loops do the training loop's forward (no logits returned), backward, gradient clipping and an
 AdamW step on the same batches; their steps are interleaved (each round in its own shuffled order,
@@ -31,6 +31,7 @@ from ..train.env import detect_env, release
 from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from ..train.tracking import MLflowTracker
+from . import allocator
 from .noise import describe, per_round, round_order, verdict
 
 SHAPES = {
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=comma_list(one_of(SHAPES, "model")), default=["tiny", "384"],
                    help=f"comma-separated, of {', '.join(SHAPES)} (default tiny,384)")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
+    p.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
+                   help="keep (default): glibc keeps freed memory; defaults: glibc's defaults (bench/allocator.py)")
     args = p.parse_args(argv)
+    print(allocator.apply(args.allocator))
     env = detect_env()
     torch.set_num_threads(args.threads if args.threads > 0 else max(1, len(os.sched_getaffinity(0))))
 

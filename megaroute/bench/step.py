@@ -45,15 +45,12 @@ interquartile range of those ratios say how much of a difference the noise could
 machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
 thread's CPU time instead, which other processes barely disturb.
 
-CPU step times depend on the allocator, and the header names it. With glibc's defaults, freed
-large blocks go back to the OS, so every fresh large tensor is page-faulted in again, each step:
-megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates. Keeping freed memory,
-for example
-
-    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=536870912 \
-        python -m megaroute.bench.step --variants reference gpt2 dense mod
-
-makes every variant faster and gives nanoGPT's step most of what the fused paths saved (README,
+CPU step times depend on the allocator, and the header names it (bench/allocator.py). With glibc's
+defaults, freed large blocks go back to the OS, so every fresh large tensor is page-faulted in again,
+each step: megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates, so those
+defaults flatter megaroute against nanoGPT. `--allocator keep` (the default) has glibc keep freed
+memory, as a long-running process reaches anyway: it makes every variant faster and gives nanoGPT's
+step most of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
 step-time benchmark: both are reported).
 
 CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
@@ -93,7 +90,7 @@ from ..model.routing import calibrate_thresholds
 from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
-from . import gpt2
+from . import allocator, gpt2
 from .noise import describe as describe_rounds, per_round, round_order, verdict as noisy_verdict
 
 TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
@@ -122,17 +119,6 @@ PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # megaroute/: host_repor
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def allocator_label(environ=os.environ) -> str:
-    """Which allocator serves a CPU step, as the header prints it (see the module docstring)."""
-    preload = environ.get("LD_PRELOAD", "")
-    tuned = sorted(f"{k}={v}" for k, v in environ.items() if k.startswith("MALLOC_") and k.endswith("_"))
-    if preload:
-        return f"allocator: LD_PRELOAD={preload}" + (f" ({', '.join(tuned)})" if tuned else "")
-    if tuned:
-        return f"allocator: glibc malloc with {', '.join(tuned)}"
-    return "allocator: glibc malloc defaults (freed large blocks return to the OS: fresh ones are page-faulted)"
 
 
 @dataclass
@@ -670,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="CPU only. wall: elapsed time; thread: CPU time of this thread, immune to other load on "
                              "a shared machine (needs --threads 1: with one intra-op thread all work runs here)")
+    parser.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
+                        help="CPU: keep (default): glibc keeps freed memory; defaults: glibc's defaults (see above)")
     parser.add_argument("--peak-tflops", type=positive_float, default=None, help="CUDA: the device's peak for MFU")
     parser.add_argument("--peak-size", type=positive_int, default=2048,
                         help="CPU: n of the n x n x n matmul timed once per round as the measured peak")
@@ -725,10 +713,11 @@ def main(argv: list[str] | None = None) -> int:
         run_cuda(args, variants)
         return 0
 
-    torch.set_num_threads(args.threads)
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if "dense" not in variants:
         parser.error(f"the CPU comparison needs a dense variant, got {sorted(variants)}")
+    allocator_line = allocator.apply(args.allocator)
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     shape = variants["dense"][0]
     flops = variant_flops(variants, args.seq_len)
     for batch in args.batch:
@@ -736,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
               f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
-        print(allocator_label())
+        print(allocator_line)
         print("train FLOPs/token (analytic; gpt2: counted relative to dense): " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")

@@ -83,13 +83,6 @@ def test_op_times_count_each_kernel_once_and_diff_sorts_by_difference():
     assert step.profile_diff({"gpt2": ops["gpt2"]}) == "(no dense variant profiled to compare against)"
 
 
-def test_allocator_label_names_what_serves_the_step():
-    assert "glibc malloc defaults" in step.allocator_label({})
-    assert step.allocator_label({"MALLOC_TRIM_THRESHOLD_": "64", "MALLOC_TOP_PAD_": "8", "PATH": "/bin"}) == \
-        "allocator: glibc malloc with MALLOC_TOP_PAD_=8, MALLOC_TRIM_THRESHOLD_=64"
-    assert step.allocator_label({"LD_PRELOAD": "libjemalloc.so.2"}) == "allocator: LD_PRELOAD=libjemalloc.so.2"
-
-
 def test_calibrated_sampling_runs_the_budget(small_shape):
     """Sampling with `calibrate` (the CUDA path's mod_calibrated row, here on CPU): the causal thresholds
     come from calibrate_thresholds, as before an evaluation, so the routed blocks run about the

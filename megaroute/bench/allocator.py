@@ -1,0 +1,67 @@
+"""What serves a CPU benchmark's memory, and what it costs: the CPU benchmarks' `--allocator` option.
+
+    keep_freed_memory()     glibc's malloc keeps what the process frees, from this call on ("keep")
+    label(kept, environ)    the benchmark header's `allocator:` line
+    page_faults()           this thread's minor page faults so far (per-forward counts, bench.dispatch)
+
+With glibc's defaults, freed blocks above its mmap threshold go back to the OS, so the next fresh
+tensor of that size is page-faulted in again, and the threshold moves with what the process has freed
+so far: whether a forward's large tensors come back from the heap or from the OS differs from process
+to process. One process of `bench.dispatch` at the char shape paid ~17,000 page faults (~30 ms) in
+each dense forward and none in the hard one, and printed hard / dense 0.56 where a process keeping
+freed memory measured 0.96. "keep" makes every process keep freed memory (mallopt: heap blocks up to
+1 GiB, the heap never trimmed, grown 512 MiB at a time; the environment's MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ do the same from the process's start), as a long-running
+training or serving process reaches anyway and jemalloc or tcmalloc behave; "defaults" measures
+what glibc's defaults give this process, page faults included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import resource
+
+# mallopt's parameters (malloc.h) and what "keep" sets them to (an int each: mallopt takes a C int)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+KEEP = {M_MMAP_THRESHOLD: 1 << 30, M_TRIM_THRESHOLD: (1 << 31) - 1, M_TOP_PAD: 512 << 20}
+CHOICES = ("keep", "defaults")
+
+
+def keep_freed_memory(environ=os.environ) -> bool:
+    """Tell glibc's malloc to keep freed memory from now on (the module docstring). False, and nothing
+    set, where another allocator serves this process (not glibc, or one preloaded with LD_PRELOAD)."""
+    if environ.get("LD_PRELOAD") or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in KEEP.items())
+
+
+def label(kept: bool, environ=os.environ) -> str:
+    """The `allocator:` header line: kept (keep_freed_memory applied), a preloaded allocator, glibc with
+    MALLOC_*_ settings from the environment, or glibc's defaults."""
+    if kept:
+        return ("allocator: glibc malloc keeping freed memory (--allocator keep: heap blocks up to 1 GiB, "
+                "never trimmed, grown 512 MiB at a time)")
+    preload = environ.get("LD_PRELOAD", "")
+    tuned = sorted(f"{k}={v}" for k, v in environ.items() if k.startswith("MALLOC_") and k.endswith("_"))
+    if preload:
+        return f"allocator: LD_PRELOAD={preload}" + (f" ({', '.join(tuned)})" if tuned else "")
+    if tuned:
+        return f"allocator: glibc malloc with {', '.join(tuned)}"
+    return "allocator: glibc malloc defaults (freed large blocks return to the OS: fresh ones are page-faulted)"
+
+
+def apply(choice: str, environ=os.environ) -> str:
+    """The `--allocator` option: keep freed memory for "keep" (where glibc serves), then the header line."""
+    if choice not in CHOICES:
+        raise ValueError(f"--allocator must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return label(choice == "keep" and keep_freed_memory(environ), environ)
+
+
+def page_faults() -> int:
+    """Minor page faults of the calling thread so far (getrusage RUSAGE_THREAD, Linux): memory faulted
+    in, most of it fresh pages the allocator got from the OS."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt

@@ -1,0 +1,63 @@
+"""The CPU benchmarks' `--allocator`: "keep" really keeps freed memory (a fresh tensor of a freed size
+is not page-faulted in again), the header names what serves the process, and a bad choice is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from megaroute.bench import allocator
+
+# A 64 MiB tensor, freed and allocated again: glibc's defaults hand it back to the OS (it is above the
+# largest mmap threshold glibc adapts to, 32 MiB), "keep" reuses it from the heap.
+_REFAULT = """
+import json, sys, torch
+from megaroute.bench import allocator
+line = allocator.apply(sys.argv[1])
+for _ in range(2):  # warm-up, as the benchmarks' (glibc settles where a freed block of this size goes)
+    torch.empty(16 << 20).fill_(1.0)  # freed at once
+before = allocator.page_faults()
+torch.empty(16 << 20).fill_(1.0)
+print(json.dumps({"line": line, "faults": allocator.page_faults() - before}))
+"""
+
+
+def _refaults(choice: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", _REFAULT, choice], capture_output=True, text=True, env=env,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again():
+    pages = (64 << 20) // 4096
+    kept, defaults = _refaults("keep"), _refaults("defaults")
+    assert kept["line"].startswith("allocator: glibc malloc keeping freed memory")
+    assert "glibc malloc defaults" in defaults["line"]
+    assert defaults["faults"] >= pages // 2  # faulted in again (transparent huge pages would count fewer)
+    assert kept["faults"] < pages // 64
+
+
+def test_label_names_what_serves_the_process():
+    assert "glibc malloc defaults" in allocator.label(False, {})
+    assert allocator.label(False, {"MALLOC_TRIM_THRESHOLD_": "64", "MALLOC_TOP_PAD_": "8", "PATH": "/bin"}) == \
+        "allocator: glibc malloc with MALLOC_TOP_PAD_=8, MALLOC_TRIM_THRESHOLD_=64"
+    assert allocator.label(False, {"LD_PRELOAD": "libjemalloc.so.2"}) == "allocator: LD_PRELOAD=libjemalloc.so.2"
+    assert "keeping freed memory" in allocator.label(True, {})
+
+
+def test_keep_leaves_a_preloaded_allocator_alone():
+    env = {"LD_PRELOAD": "libjemalloc.so.2"}
+    assert allocator.keep_freed_memory(env) is False
+    assert allocator.apply("keep", env) == "allocator: LD_PRELOAD=libjemalloc.so.2"
+
+
+def test_a_bad_choice_is_refused_by_name():
+    with pytest.raises(ValueError, match="--allocator must be one of keep, defaults, got 'tcmalloc'"):
+        allocator.apply("tcmalloc")
