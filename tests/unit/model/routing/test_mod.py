@@ -6,12 +6,9 @@ with original positions -> block update -> combine once, weighted by g(router lo
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from megaroute.kernels import reference
 from megaroute.model import ForwardOptions, build_model
@@ -19,16 +16,13 @@ from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions
 from megaroute.model.routing import DenseLayer, MoDLayer, RoutingContext, dispatch
 
+from .routing_checks import op_counts, tokens_for
+
 MOD = ("routing.method=mod", "routing.every=2", "routing.offset=1")  # layers 1 and 3 routed of 4
 
 
 def mod_layers(model) -> list[MoDLayer]:
     return [layer for layer in model.layers if isinstance(layer, MoDLayer)]
-
-
-def tokens_for(cfg, B: int, T: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.model.vocab_size, (B, T), generator=g)
 
 
 def unit_router_weight(monkeypatch, layer: MoDLayer) -> None:
@@ -350,25 +344,11 @@ def test_batch_equals_per_sample(make_model, mode):
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
 
 
-class _OpCounter(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls[getattr(func, "__qualname__", repr(func))] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["topk", "causal"])
 def test_no_per_sample_python_loop(make_model, mode):
     # The number of torch calls a forward makes does not depend on the batch size.
     model, cfg = make_model(*MOD, "routing.causal_method=predictor")
-    counts = []
-    for B in (1, 5):  # within one row bucket of the float32 CPU linears (routing_checks.op_counts)
-        with _OpCounter() as counter:
-            model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode))
-        counts.append(counter.calls)
+    counts = op_counts(lambda B: model(tokens_for(cfg, B, 12), options=ForwardOptions(mode=mode)))
     assert sum(counts[0].values()) > 50
     assert counts[0] == counts[1]
 
