@@ -150,7 +150,7 @@ class Transformer(nn.Module):
             # A partial, not a closure: deepcopy maps its block argument to the copied block.
             layer.block._update = partial(_compiled_update, compiled, layer.block)
             kind = type(layer)
-            if hasattr(kind, "topk_forward"):  # MoD, the capacity baselines: their training layer whole
+            if getattr(kind, "topk_forward", None) is not None:  # MoD, the capacity baselines: their training layer whole
                 if kind not in whole:
                     whole[kind] = torch.compile(kind.topk_forward, backend=backend, dynamic=dynamic)
                 layer.compiled_topk = whole[kind]

@@ -307,6 +307,10 @@ class MoELayer(nn.Module):
 class StagedMoDELayer(MoDLayer):
     """MoD's choice of tokens (mod.py), then a block whose FFN is the MoE, on the chosen tokens."""
 
+    # MoD's whole training-time layer (mod.py) computes a dense FFN's update, not this layer's (the
+    # MoE's): Transformer.compile_blocks must not compile it for MoDE, whose layer stays eager.
+    topk_forward = None
+
     def __init__(self, block: TransformerBlock, model_cfg: ModelConfig, cfg: RoutingConfig):
         super().__init__(block, model_cfg, cfg)
         _replace_dense_mlp(block, model_cfg, cfg.moe)

@@ -177,6 +177,24 @@ def test_capacity_baselines_compile_their_training_layer_whole(dynamo, method):
     assert dict(dynamo["graph_break"]) == {}
 
 
+def test_staged_mode_training_layer_stays_eager(dynamo):
+    """MoDE (staged) is a MoD layer whose block's FFN is an MoE: MoD's whole-layer topk_forward would
+    compute a dense FFN's update, so compile_blocks leaves the layer eager, and a compiled model's
+    training step still equals the eager one's."""
+    from megaroute.config.schema import MoEConfig
+    from megaroute.model.routing.moe import StagedMoDELayer
+
+    routing = RoutingConfig(method="mode_staged", capacity=0.5, every=2, offset=1, moe=MoEConfig(num_experts=2))
+    eager, compiled = _pair(routing, "aot_eager")
+    staged = [layer for layer in compiled.layers if isinstance(layer, StagedMoDELayer)]
+    assert staged and all(layer.compiled_topk is None for layer in staged)
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    (out_e, grads_e), (out_c, grads_c) = _run(eager, tokens), _run(compiled, tokens)
+    torch.testing.assert_close(out_c.loss, out_e.loss, rtol=1e-5, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_cached_decoding_stays_eager_and_matches(dynamo):
     eager, compiled = _pair(RoutingConfig(), "aot_eager")
     eager.eval(), compiled.eval()
