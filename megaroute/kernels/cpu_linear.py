@@ -18,10 +18,11 @@ copies fewer elements: (x^T g)^T at 2048 rows, 384 -> 1152 (4.8 against 5.7 ms),
 1024 -> 384 (4.5 against 5.3 ms) and at MoD's 256 rows (a [2048, 384] transposed result copy alone
 took 0.65 ms there).
 
-The reference math (Transformer.set_fused(False), the `reference` variant of bench.step) keeps
-F.linear, and so does everything that must see the aten ops or other precisions: autocast (bf16
-already runs through oneDNN), torch.compile, FlopCounterMode and fake tensors (backend.aten_required),
-non-CPU tensors, empty inputs, one output feature (a gate's readout: torch's gemv took 10-45 us where
+Under torch.compile the GEMMs stay oneDNN's, as one opaque registered op (torch.ops.megaroute.
+onednn_linear): inductor would lower them to torch's mm. The reference math (Transformer.set_fused(False),
+the `reference` variant of bench.step) keeps F.linear, and so does everything that must see the aten
+ops or other precisions: autocast (bf16 already runs through oneDNN), FlopCounterMode and fake tensors
+(backend.aten_required), non-CPU tensors, empty inputs, one output feature (a gate's readout: torch's gemv took 10-45 us where
 oneDNN's call took 30-65), or a torch without oneDNN or its `mkldnn::_linear_pointwise` op (which
 inductor's CPU linears lower to). tests/unit/kernels/test_cpu_linear.py holds the values and
 gradients to F.linear's.
@@ -55,11 +56,44 @@ def _onednn_linear():
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
+def _register_traceable_op() -> bool:
+    """torch.ops.megaroute.onednn_linear(x, weight, bias): the oneDNN GEMM as an op torch.compile keeps
+    opaque. Inductor lowers float32 CPU training linears to torch's mm (MKL's slow path on AMD: a
+    compiled dense fp32 step took 1.74x the eager one), and cannot lower the raw oneDNN op with a plain
+    weight. Registered once per process: a converted model's remote code carries its own copy of this
+    module (hf/bundle.py), whose registration finds the op there already. False without oneDNN."""
+    if _onednn_linear() is None:
+        return False
+    try:
+        torch.ops.megaroute.onednn_linear  # noqa: B018 (registered by another copy of this module)
+        return True
+    except AttributeError:
+        pass
+
+    @torch.library.custom_op("megaroute::onednn_linear", mutates_args=(),
+                             schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    def onednn_linear(x, weight, bias):
+        return _onednn_linear()(x, weight, bias, "none", [], "")
+
+    @onednn_linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    return True
+
+
+TRACEABLE = _register_traceable_op()
+
+
 def _float32_cpu(*tensors: torch.Tensor) -> bool:
-    """GEMMs of these tensors would run through oneDNN here: all float32 on CPU, no autocast, no
-    dispatch mode, oneDNN built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and not aten_required() and _onednn_linear() is not None)
+    """GEMMs of these tensors would run through oneDNN here: all float32 on CPU, no autocast, oneDNN
+    built, and no dispatch mode (FlopCounterMode, fake tensors: they must see the aten ops) unless
+    torch.compile is tracing, where the GEMMs go through the registered op (_register_traceable_op)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) or torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.compiler.is_compiling():
+        return TRACEABLE
+    return not aten_required() and _onednn_linear() is not None
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
@@ -81,7 +115,10 @@ def _bucket(rows: int) -> int:
 
 def _linear(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x2d @ weight^T (+ bias) through oneDNN: weight with any strides; x2d is copied contiguous first
-    when it is not (a transposed copy: see the weight gradient's orientation)."""
+    when it is not (a transposed copy: see the weight gradient's orientation). While traced
+    (torch.compile, including its tracing of _LinearFunction's backward) through the registered op."""
+    if aten_required():
+        return torch.ops.megaroute.onednn_linear(x2d, weight, bias)
     return _onednn_linear()(x2d, weight, bias, "none", [], "")
 
 

@@ -238,3 +238,47 @@ def test_backward_under_a_dispatch_mode_pads_as_forward_did():
     _, ref_grads = _reference(x, weight, None, grad)
     for got, expected in zip(grads, ref_grads):
         torch.testing.assert_close(got, expected.float())
+
+
+def test_compiled_linears_keep_onednns_gemms():
+    """Under torch.compile the GEMMs, forward and backward, go through the registered opaque op
+    (inductor would lower them to torch's mm), with eager's values and gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    assert cpu_linear.TRACEABLE
+    targets = {"forward": set(), "backward": set()}
+
+    def recorder(kind):
+        def compile_graph(gm, example_inputs):
+            targets[kind] |= {node.target for node in gm.graph.nodes if node.op == "call_function"}
+            return gm
+        return compile_graph
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    torch.manual_seed(0)
+    x = torch.randn(100, 40, requires_grad=True)  # 100 rows: padded to the row bucket, as eagerly
+    weight, bias = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
+    grad = torch.randn(100, 24)
+    eager = cpu_linear.linear(x, weight, bias)
+    eager_grads = torch.autograd.grad(eager, (x, weight, bias), grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(cpu_linear.linear, backend=backend, fullgraph=True)(x, weight, bias)
+    compiled_grads = torch.autograd.grad(compiled, (x, weight, bias), grad)
+    op, mm = torch.ops.megaroute.onednn_linear.default, torch.ops.aten.mm.default
+    assert op in targets["forward"] and op in targets["backward"]
+    assert mm not in targets["forward"] | targets["backward"]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_second_copy_of_the_module_finds_the_op_registered():
+    """A converted model's remote code carries its own copy of cpu_linear.py (hf/bundle.py): importing
+    it beside megaroute must not register the op twice (torch.library would raise)."""
+    import importlib.util
+
+    copy = importlib.util.module_from_spec(importlib.util.spec_from_file_location("bundled_cpu_linear",
+                                                                                cpu_linear.__file__))
+    source = open(cpu_linear.__file__).read().replace("from .backend import", "from megaroute.kernels.backend import")
+    exec(compile(source, cpu_linear.__file__, "exec"), copy.__dict__)
+    assert copy.TRACEABLE and torch.ops.megaroute.onednn_linear is not None
