@@ -19,11 +19,12 @@ _REFAULT = """
 import json, sys, torch
 from megaroute.bench import allocator
 line = allocator.apply(sys.argv[1])
-for _ in range(2):  # warm-up, as the benchmarks' (glibc settles where a freed block of this size goes)
+faults = []
+for _ in range(8):  # the first cycles place the block (glibc settles where a freed block of this size goes)
+    before = allocator.page_faults()
     torch.empty(16 << 20).fill_(1.0)  # freed at once
-before = allocator.page_faults()
-torch.empty(16 << 20).fill_(1.0)
-print(json.dumps({"line": line, "faults": allocator.page_faults() - before}))
+    faults.append(allocator.page_faults() - before)
+print(json.dumps({"line": line, "faults": faults[4:]}))
 """
 
 
@@ -40,8 +41,11 @@ def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again():
     kept, defaults = _refaults("keep"), _refaults("defaults")
     assert kept["line"].startswith("allocator: glibc malloc keeping freed memory")
     assert "glibc malloc defaults" in defaults["line"]
-    assert defaults["faults"] >= pages // 2  # faulted in again (transparent huge pages would count fewer)
-    assert kept["faults"] < pages // 64
+    # The defaults fault the block in again every cycle (here 8192 faults for its 16384 pages; huge
+    # pages would count fewer); kept, a settled cycle reuses it (0 here).
+    seen = f"faults per cycle: kept {kept['faults']}, defaults {defaults['faults']}"
+    assert min(defaults["faults"]) > 0 and min(kept["faults"]) * 16 < min(defaults["faults"]), seen
+    assert min(kept["faults"]) < pages // 64, seen
 
 
 def test_label_names_what_serves_the_process():
