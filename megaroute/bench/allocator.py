@@ -11,9 +11,10 @@ to process. One process of `bench.dispatch` at the char shape paid ~17,000 page 
 each dense forward and none in the hard one, and printed hard / dense 0.56 where a process keeping
 freed memory measured 0.96. "keep" makes every process keep freed memory (mallopt: heap blocks up to
 1 GiB, the heap never trimmed, grown 512 MiB at a time; the environment's MALLOC_MMAP_THRESHOLD_ /
-MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ do the same from the process's start), as a long-running
-training or serving process reaches anyway and jemalloc or tcmalloc behave; "defaults" measures
-what glibc's defaults give this process, page faults included.
+MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ do the same from the process's start): the same state in
+every process, close to how jemalloc or tcmalloc behave and to where glibc's adaptive threshold
+moves in a long-running process; "defaults" measures what glibc's defaults give this process, page
+faults included.
 """
 
 from __future__ import annotations
