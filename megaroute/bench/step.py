@@ -34,7 +34,7 @@ dense+compile) >= 1.3x faster than reference in fp32 and >= 1.2x in bf16, and at
 gpt2 step; MoD's step/dense at most 1.05x its FLOPs ratio. A verdict (HOLDS / MISSED) is marked
 "within the noise" when the per-round ratios' interquartile range spans the target (noise.verdict):
 another run may then flip it. `--compile` adds a `<variant>+compile`
-twin of each variant (but reference), its blocks compiled (`Transformer.compile_blocks`, what
+twin of each variant (but reference and dense_torch_gemm), its blocks compiled (`Transformer.compile_blocks`, what
 `train.compile: true` runs; gpt2+compile: the whole model, as nanoGPT compiles it), interleaved
 with the rest; compilation happens in the warmup steps, so it is not timed.
 
@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
-        # compiled, the linears are plain aten ops whichever GEMM the eager ones use: no dense_torch_gemm twin
+        # no compiled twin of dense_torch_gemm: its comparison of GEMM libraries is made eagerly
         variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name not in (REFERENCE, TORCH_GEMM)})
     if args.seq_len is None:  # the device's default, or the shortest context among the models compared
         args.seq_len = min(1024 if cuda else 256, *(shape.max_seq_len for shape, _ in variants.values()))
