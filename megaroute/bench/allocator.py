@@ -1,6 +1,7 @@
 """What serves a CPU benchmark's memory, and what it costs: the CPU benchmarks' `--allocator` option.
 
     keep_freed_memory()     glibc's malloc keeps what the process frees, from this call on ("keep")
+    add_option(parser)      the benchmarks' `--allocator` option; apply(choice) carries it out
     label(kept, environ)    the benchmark header's `allocator:` line
     page_faults()           this thread's minor page faults so far (per-forward counts, bench.dispatch)
 
@@ -19,6 +20,7 @@ faults included.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import platform
@@ -53,6 +55,13 @@ def label(kept: bool, environ=os.environ) -> str:
     if tuned:
         return f"allocator: glibc malloc with {', '.join(tuned)}"
     return "allocator: glibc malloc defaults (freed large blocks return to the OS: fresh ones are page-faulted)"
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+    """The CPU benchmarks' `--allocator keep|defaults` (keep by default; see the module docstring)."""
+    parser.add_argument("--allocator", choices=CHOICES, default="keep",
+                        help="CPU: keep (default): glibc keeps freed memory; defaults: glibc's defaults "
+                             "(megaroute/bench/allocator.py)")
 
 
 def apply(choice: str, environ=os.environ) -> str:

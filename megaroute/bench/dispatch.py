@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
                    help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
-    p.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
-                   help="keep (default): glibc keeps freed memory; defaults: glibc's defaults (see above)")
+    allocator.add_option(p)
     args = p.parse_args(argv)
     print(allocator.apply(args.allocator))
     torch.set_num_threads(1)

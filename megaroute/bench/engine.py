@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=comma_list(one_of(SHAPES, "model")), default=["tiny", "384"],
                    help=f"comma-separated, of {', '.join(SHAPES)} (default tiny,384)")
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
-    p.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
-                   help="keep (default): glibc keeps freed memory; defaults: glibc's defaults (bench/allocator.py)")
+    allocator.add_option(p)
     args = p.parse_args(argv)
     print(allocator.apply(args.allocator))
     env = detect_env()

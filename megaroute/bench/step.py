@@ -49,8 +49,8 @@ CPU step times depend on the allocator, and the header names it (bench/allocator
 defaults, freed large blocks go back to the OS, so every fresh large tensor is page-faulted in again,
 each step: megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates, so those
 defaults flatter megaroute against nanoGPT. `--allocator keep` (the default) has glibc keep freed
-memory, as a long-running process reaches anyway: it makes every variant faster and gives nanoGPT's
-step most of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
+memory, the same state in every process: it makes every variant faster and gives nanoGPT's step most
+of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
 step-time benchmark: both are reported).
 
 CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
@@ -656,8 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="CPU only. wall: elapsed time; thread: CPU time of this thread, immune to other load on "
                              "a shared machine (needs --threads 1: with one intra-op thread all work runs here)")
-    parser.add_argument("--allocator", choices=allocator.CHOICES, default="keep",
-                        help="CPU: keep (default): glibc keeps freed memory; defaults: glibc's defaults (see above)")
+    allocator.add_option(parser)
     parser.add_argument("--peak-tflops", type=positive_float, default=None, help="CUDA: the device's peak for MFU")
     parser.add_argument("--peak-size", type=positive_int, default=2048,
                         help="CPU: n of the n x n x n matmul timed once per round as the measured peak")

@@ -3,6 +3,7 @@ is not page-faulted in again), the header names what serves the process, and a b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -65,3 +66,13 @@ def test_keep_leaves_a_preloaded_allocator_alone():
 def test_a_bad_choice_is_refused_by_name():
     with pytest.raises(ValueError, match="--allocator must be one of keep, defaults, got 'tcmalloc'"):
         allocator.apply("tcmalloc")
+
+
+def test_the_option_defaults_to_keep_and_refuses_other_allocators(capsys):
+    parser = argparse.ArgumentParser(prog="bench")
+    allocator.add_option(parser)
+    assert parser.parse_args([]).allocator == "keep"
+    assert parser.parse_args(["--allocator", "defaults"]).allocator == "defaults"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--allocator", "tcmalloc"])
+    assert "invalid choice: 'tcmalloc'" in capsys.readouterr().err
