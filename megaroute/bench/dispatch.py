@@ -25,10 +25,12 @@ for CPU attention). Target
 interquartile range spans it.
 
 Each line also prints the median minor page faults of a dense and of a hard forward (allocator.py):
-a forward that faults in memory freed back to the OS pays for it in its time, and when either side
-faults `FAULTED_PAGES` or more the verdict says so. `--allocator keep` (the default) keeps freed
-memory, so neither side does; `--allocator defaults` measures glibc's defaults, where whether a
-forward's large tensors come back from the heap or from the OS differs from process to process.
+a forward that faults in fresh pages (memory freed back to the OS, or a heap growing into pages never
+touched) pays for it in its time, and when either side faults `FAULTED_PAGES` or more the verdict
+says so. `--allocator keep` (the default) keeps freed memory and faults a heap reserve in up front,
+so neither side does (without the reserve, the hard forwards' varying tensor sizes grew the heap
+for many rounds); `--allocator defaults` measures glibc's defaults, where whether a forward's large
+tensors come back from the heap or from the OS differs from process to process.
 """
 
 from __future__ import annotations
@@ -201,8 +203,8 @@ def faulted(dense_pages: float, hard_pages: float) -> str:
     """The warning a line carries when a side's median forward faulted in FAULTED_PAGES or more."""
     if max(dense_pages, hard_pages) < FAULTED_PAGES:
         return ""
-    return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: memory freed "
-            f"back to the OS is faulted in again inside the timed forwards; --allocator keep avoids it)")
+    return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: fresh memory is "
+            f"faulted in inside the timed forwards; --allocator keep avoids it)")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ CPU step times depend on the allocator, and the header names it (bench/allocator
 defaults, freed large blocks go back to the OS, so every fresh large tensor is page-faulted in again,
 each step: megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates, so those
 defaults flatter megaroute against nanoGPT. `--allocator keep` (the default) has glibc keep freed
-memory, the same state in every process: it makes every variant faster and gives nanoGPT's step most
+memory and fault a heap reserve in up front, the same state in every process: it makes every variant faster and gives nanoGPT's step most
 of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
 step-time benchmark: both are reported).
 

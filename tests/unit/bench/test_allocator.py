@@ -1,5 +1,6 @@
 """The CPU benchmarks' `--allocator`: "keep" really keeps freed memory (a fresh tensor of a freed size
-is not page-faulted in again), the header names what serves the process, and a bad choice is refused."""
+is not page-faulted in again) and grows the heap into memory faulted in up front, the header names
+what serves the process, and a bad choice is refused."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ _REFAULT = """
 import json, sys, torch
 from megaroute.bench import allocator
 line = allocator.apply(sys.argv[1])
+before = allocator.page_faults()
+torch.empty(16 << 20).fill_(1.0)  # the process's first block of this size: heap growth
+first = allocator.page_faults() - before
 faults = []
 for _ in range(8):  # the first cycles place the block (glibc settles where a freed block of this size goes)
     before = allocator.page_faults()
     torch.empty(16 << 20).fill_(1.0)  # freed at once
     faults.append(allocator.page_faults() - before)
-print(json.dumps({"line": line, "faults": faults[4:]}))
+print(json.dumps({"line": line, "first": first, "faults": faults[4:]}))
 """
 
 
@@ -47,6 +51,17 @@ def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again():
     seen = f"faults per cycle: kept {kept['faults']}, defaults {defaults['faults']}"
     assert min(defaults["faults"]) > 0 and min(kept["faults"]) * 16 < min(defaults["faults"]), seen
     assert min(kept["faults"]) < pages // 64, seen
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_grows_the_heap_into_memory_faulted_in_up_front():
+    # Ragged selections' varying tensor sizes fragment the heap, which then grows for many forwards: a
+    # never-seen 64 MiB block must come from the reserve keep faulted in, not from fresh pages.
+    pages = (64 << 20) // 4096
+    kept, defaults = _refaults("keep"), _refaults("defaults")
+    assert f"{allocator.RESERVE >> 20} MiB faulted in up front" in kept["line"]
+    seen = f"first 64 MiB block: kept {kept['first']} faults, defaults {defaults['first']}"
+    assert defaults["first"] > pages // 4 and kept["first"] < pages // 64, seen
 
 
 def test_label_names_what_serves_the_process():
