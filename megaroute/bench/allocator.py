@@ -4,6 +4,7 @@
     add_option(parser)      the benchmarks' `--allocator` option; apply(choice) carries it out
     label(kept, environ)    the benchmark header's `allocator:` line
     page_faults()           this thread's minor page faults so far (per-forward counts, bench.dispatch)
+    process_page_faults()   the whole process's (per-step counts of multi-threaded steps, bench.step)
 
 With glibc's defaults, freed blocks above its mmap threshold go back to the OS, so the next fresh
 tensor of that size is page-faulted in again, and the threshold moves with what the process has freed
@@ -39,6 +40,8 @@ KEEP = {M_MMAP_THRESHOLD: 1 << 30, M_TRIM_THRESHOLD: (1 << 31) - 1, M_TOP_PAD: 5
 # Heap "keep" faults in up front (below the mmap threshold, so it stays in the heap once freed)
 RESERVE = 768 << 20
 CHOICES = ("keep", "defaults")
+# A timed forward or step faulting in this many pages (1 MiB) or more: the benchmarks flag it PAGE-FAULTED
+FAULTED_PAGES = 256
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
@@ -100,3 +103,9 @@ def page_faults() -> int:
     """Minor page faults of the calling thread so far (getrusage RUSAGE_THREAD, Linux): memory faulted
     in, most of it fresh pages the allocator got from the OS."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def process_page_faults() -> int:
+    """Minor page faults of the whole process so far (getrusage RUSAGE_SELF): every thread's, for work
+    that runs on several (a training step's parallel kernels)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -26,7 +26,7 @@ interquartile range spans it.
 
 Each line also prints the median minor page faults of a dense and of a hard forward (allocator.py):
 a forward that faults in fresh pages (memory freed back to the OS, or a heap growing into pages never
-touched) pays for it in its time, and when either side faults `FAULTED_PAGES` or more the verdict
+touched) pays for it in its time, and when either side faults `allocator.FAULTED_PAGES` or more the verdict
 says so. `--allocator keep` (the default) keeps freed memory and faults a heap reserve in up front,
 so neither side does (without the reserve, the hard forwards' varying tensor sizes grew the heap
 for many rounds); `--allocator defaults` measures glibc's defaults, where whether a forward's large
@@ -63,8 +63,6 @@ TARGET = 0.88
 # real gate's counts change from layer to layer and batch to batch, and per-shape costs (oneDNN builds a
 # primitive per new row count, kernels/cpu_linear.py) must show, not hide behind one fixed set of masks.
 JITTER = 0.02
-# A forward faulting in this many pages (1 MiB) or more has memory handed back to the OS in its time.
-FAULTED_PAGES = 256
 
 
 def random_masks(n_layers: int, B: int, T: int, frac: float, generator: torch.Generator,
@@ -200,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def faulted(dense_pages: float, hard_pages: float) -> str:
-    """The warning a line carries when a side's median forward faulted in FAULTED_PAGES or more."""
-    if max(dense_pages, hard_pages) < FAULTED_PAGES:
+    """The warning a line carries when a side's median forward faulted in allocator.FAULTED_PAGES or more."""
+    if max(dense_pages, hard_pages) < allocator.FAULTED_PAGES:
         return ""
     return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: fresh memory is "
             f"faulted in inside the timed forwards; --allocator keep avoids it)")

@@ -51,7 +51,10 @@ each step: megaroute's fused paths reuse buffers, nanoGPT's autograd graph alloc
 defaults flatter megaroute against nanoGPT. `--allocator keep` (the default) has glibc keep freed
 memory and fault a heap reserve in up front, the same state in every process: it makes every variant faster and gives nanoGPT's step most
 of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
-step-time benchmark: both are reported).
+step-time benchmark: both are reported). Each variant's line prints the median minor page faults of
+its steps (the whole process's), and a PAGE-FAULTED line names every variant at
+allocator.FAULTED_PAGES or more: with glibc's defaults, bf16 dense steps faulted ~35,000-49,000
+pages each, MoD's none and nanoGPT's 65,000-140,000, which flattered MoD and megaroute alike.
 
 CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
 adds the others on the dense config's shape) at realistic micro-batches, bf16 autocast over fp32
@@ -275,8 +278,9 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
           variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048
-          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]]]:
-    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: peak_gemms).
+          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
+    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: peak_gemms, CPU: the
+    process's minor page faults in each timed step of each variant).
 
     CPU: one step of every variant per round, rounds repeated, and one timed matmul of each GEMM
     (the peak, in the step's compute dtype) per timed round, all with `clock`. CUDA: one variant after the other (a GPU is
@@ -293,20 +297,23 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
                     times[name].append(phases)
             del trainer
             torch.cuda.empty_cache()
-        return times, {}
+        return times, {}, {}
     trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
                 for name, (shape, r) in variants.items()}
     dtype = AMP_DTYPES.get(precision, torch.float32)
     gemms = peak_gemms(dtype)
     peaks: dict[str, list[float]] = {gemm: [] for gemm in gemms}
+    faults: dict[str, list[int]] = {name: [] for name in variants}
     for i in range(warmup + steps):
         for name in round_order(list(trainers), i):
+            before = allocator.process_page_faults()
             phases = trainers[name].step(clock)
             if i >= warmup:
                 times[name].append(phases)
+                faults[name].append(allocator.process_page_faults() - before)
         for gemm, matmul in gemms.items() if i >= warmup else ():
             peaks[gemm].append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock, matmul=matmul))
-    return times, peaks
+    return times, peaks, faults
 
 
 def peak_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -424,10 +431,13 @@ def host_report(trainer: Trainer) -> str:
 
 
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
-           peaks: dict[str, list[float]], peak_size: int = 2048, speedup_targets: bool = True) -> str:
+           peaks: dict[str, list[float]], peak_size: int = 2048, speedup_targets: bool = True,
+           faults: Optional[dict[str, list[int]]] = None) -> str:
     """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
     GFLOP/s and MFU (of the median step, against the best matmul of any GEMM in `peaks`, bench's
-    samples per GEMM); then the targets, and each compiled variant against its eager twin."""
+    samples per GEMM), the median page faults of a step (`faults`, when given) and a PAGE-FAULTED line
+    naming the variants that fault allocator.FAULTED_PAGES or more; then the targets, and each
+    compiled variant against its eager twin."""
     total = {name: [sum(p.values()) for p in steps] for name, steps in times.items()}
     med = {name: statistics.median(t) for name, t in total.items()}
     best = {gemm: max(samples) for gemm, samples in peaks.items()}
@@ -440,15 +450,23 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
              f"{dtype} matmul peak ({peak_size}^3, best of {len(peaks[fastest])}): {peak / 1e9:.1f} GFLOP/s "
              f"({fastest}{others})",
              f"  {'variant':<{width}} {'FLOPs/dense':>11} {'step ms':>9} {'(best)':>8} {'step/dense':>10} "
-             f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}   median ms: fwd / bwd / optim"]
+             f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}"
+             + (f" {'faults':>7}" if faults else "") + "   median ms: fwd / bwd / optim"]
     dense = med.get("dense")
     for name, t in total.items():
         share = flops[name] / flops["dense"]
         gflops = tokens * flops[name] / med[name] / 1e9
         rel = f"{med[name] / dense:10.3f} {med[name] / dense / share:7.2f}x" if dense else f"{'':>10} {'':>8}"
         phases = " / ".join(f"{statistics.median(p[ph] for p in times[name]) * 1e3:.0f}" for ph in PHASES)
+        paged = f" {statistics.median(faults[name]):7.0f}" if faults else ""
         lines.append(f"  {name:<{width}} {share:11.3f} {med[name] * 1e3:9.1f} {min(t) * 1e3:8.1f} {rel} "
-                     f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}   {phases}")
+                     f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}{paged}   {phases}")
+    faulted = {name: statistics.median(f) for name, f in (faults or {}).items()
+               if statistics.median(f) >= allocator.FAULTED_PAGES}
+    if faulted:
+        lines.append("  PAGE-FAULTED: " + ", ".join(f"{name} {pages:,.0f}" for name, pages in faulted.items())
+                     + " pages a step (median): fresh memory faulted in inside the timed steps is in their "
+                       "times and in every ratio they enter; --allocator keep avoids it")
     if dense and REFERENCE in med:
         target = SPEEDUP_TARGETS.get(precision) if speedup_targets else None
         for name in ("dense", f"dense{COMPILED}"):
@@ -604,7 +622,7 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
         flops = variant_flops(variants, args.seq_len)
         for batch in args.batch:
             try:
-                times, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
+                times, _, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
                                  variants=variants)
             except torch.cuda.OutOfMemoryError:
                 print(f"[{precision}] micro-batch {batch} x {args.seq_len}: out of memory")
@@ -729,10 +747,10 @@ def main(argv: list[str] | None = None) -> int:
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
         for precision in args.precision:
-            times, peaks = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock, variants=variants,
-                                 peak_size=args.peak_size)
+            times, peaks, faults = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock,
+                                         variants=variants, peak_size=args.peak_size)
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
-            print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target), flush=True)
+            print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target, faults), flush=True)
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants)
     return 0

@@ -41,6 +41,7 @@ def test_step_benchmark_runs_and_reports(capsys, small_shape):
         assert out.count(f"\n  {name:<11} ") == 2, name
     assert "\n  halting " not in out
     assert "allocator: " in out  # CPU step times depend on it
+    assert out.count("    MFU  faults   median ms: fwd / bwd / optim") == 2  # and so do their page faults
 
 
 def test_profile_prints_each_variant_against_dense_op_by_op(capsys, small_shape):
@@ -103,6 +104,23 @@ def test_default_variants_are_every_method():
     assert {r.method for _, r in variants.values()} == {"none", "mod", "random", "stride", "first_k", "depth_gate",
                                                          "halting", "early_exit"}
     assert list(step.resolve_variants(None, device="cuda")) == ["dense", "mod"]
+
+
+def test_report_names_the_variants_whose_steps_page_fault():
+    steps = {"gpt2": [{"forward": 1.0, "backward": 0.0, "optimizer": 0.0}] * 3,
+             "dense": [{"forward": 0.5, "backward": 0.0, "optimizer": 0.0}] * 3,
+             "mod": [{"forward": 0.4, "backward": 0.0, "optimizer": 0.0}] * 3}
+    flops = {"gpt2": 1e6, "dense": 1e6, "mod": 0.7e6}
+    pages = step.allocator.FAULTED_PAGES
+    faults = {"gpt2": [100_000, 3, 65_540], "dense": [pages, pages, 0], "mod": [pages - 1] * 3}
+    out = step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, faults=faults)
+    assert "    MFU  faults   median ms" in out
+    assert "  mod               0.700     400.0    400.0      0.800    1.14x     2500      1.8  43.8%     255" in out
+    # medians: gpt2 65,540, dense 256 (the threshold counts), mod 255 (below it)
+    assert "  PAGE-FAULTED: gpt2 65,540, dense 256 pages a step (median)" in out and "mod 255" not in out
+    quiet = step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, faults=dict.fromkeys(steps, [0, 2, 1]))
+    assert "PAGE-FAULTED" not in quiet and "  dense             1.000     500.0" in quiet
+    assert "faults" not in step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]})  # CUDA: no column
 
 
 def test_report_figures_mean_their_labels():

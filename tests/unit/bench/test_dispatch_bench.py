@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaroute.bench.dispatch import FAULTED_PAGES, faulted, random_masks
+from megaroute.bench.allocator import FAULTED_PAGES
+from megaroute.bench.dispatch import faulted, random_masks
 
 
 @pytest.mark.parametrize("frac", [0.3, 0.8, 1.0])
