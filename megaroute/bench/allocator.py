@@ -88,8 +88,8 @@ def label(kept: bool, environ=os.environ) -> str:
 def add_option(parser: argparse.ArgumentParser) -> None:
     """The CPU benchmarks' `--allocator keep|defaults` (keep by default; see the module docstring)."""
     parser.add_argument("--allocator", choices=CHOICES, default="keep",
-                        help="CPU: keep (default): glibc keeps freed memory; defaults: glibc's defaults "
-                             "(megaroute/bench/allocator.py)")
+                        help=f"CPU: keep (default): glibc keeps freed memory, {RESERVE >> 20} MiB of heap faulted "
+                             "in up front; defaults: glibc's defaults (megaroute/bench/allocator.py)")
 
 
 def apply(choice: str, environ=os.environ) -> str:
