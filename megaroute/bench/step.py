@@ -49,12 +49,13 @@ CPU step times depend on the allocator, and the header names it (bench/allocator
 defaults, freed large blocks go back to the OS, so every fresh large tensor is page-faulted in again,
 each step: megaroute's fused paths reuse buffers, nanoGPT's autograd graph allocates, so those
 defaults flatter megaroute against nanoGPT. `--allocator keep` (the default) has glibc keep freed
-memory and fault a heap reserve in up front, the same state in every process: it makes every variant faster and gives nanoGPT's step most
-of what the fused paths saved. `--allocator defaults` measures glibc's defaults (README,
-step-time benchmark: both are reported). Each variant's line prints the median minor page faults of
-its steps (the whole process's), and a PAGE-FAULTED line names every variant at
-allocator.FAULTED_PAGES or more: with glibc's defaults, bf16 dense steps faulted ~35,000-49,000
-pages each, MoD's none and nanoGPT's 65,000-140,000, which flattered MoD and megaroute alike.
+memory and fault a heap reserve in up front, the same state in every process: it makes every
+variant faster and gives nanoGPT's step most of what the fused paths saved. `--allocator defaults`
+measures glibc's defaults (README, step-time benchmark: both are reported). Each variant's line
+prints the median minor page faults of its steps (the whole process's), and a PAGE-FAULTED line
+names every variant at allocator.FAULTED_PAGES or more: with glibc's defaults one process's bf16
+dense steps faulted 8,000-49,000 pages each, MoD's none and nanoGPT's 33,000-103,000, which
+flattered MoD against dense and dense against nanoGPT.
 
 CUDA (`--device cuda`): dense_157m and mod_157m (configs/, or `--shape`/`--config`; `--variants`
 adds the others on the dense config's shape) at realistic micro-batches, bf16 autocast over fp32

@@ -40,10 +40,17 @@ def _refaults(choice: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again():
+@pytest.fixture(scope="module")
+def refaults() -> dict:
+    """_refaults of a child process per choice (each test reads its part)."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    return {choice: _refaults(choice) for choice in allocator.CHOICES}
+
+
+def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again(refaults):
     pages = (64 << 20) // 4096
-    kept, defaults = _refaults("keep"), _refaults("defaults")
+    kept, defaults = refaults["keep"], refaults["defaults"]
     assert kept["line"].startswith("allocator: glibc malloc keeping freed memory")
     assert "glibc malloc defaults" in defaults["line"]
     # The defaults fault the block in again every cycle (here 8192 faults for its 16384 pages; huge
@@ -53,12 +60,11 @@ def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again():
     assert min(kept["faults"]) < pages // 64, seen
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_keep_grows_the_heap_into_memory_faulted_in_up_front():
+def test_keep_grows_the_heap_into_memory_faulted_in_up_front(refaults):
     # Ragged selections' varying tensor sizes fragment the heap, which then grows for many forwards: a
     # never-seen 64 MiB block must come from the reserve keep faulted in, not from fresh pages.
     pages = (64 << 20) // 4096
-    kept, defaults = _refaults("keep"), _refaults("defaults")
+    kept, defaults = refaults["keep"], refaults["defaults"]
     assert f"{allocator.RESERVE >> 20} MiB faulted in up front" in kept["line"]
     seen = f"first 64 MiB block: kept {kept['first']} faults, defaults {defaults['first']}"
     assert defaults["first"] > pages // 4 and kept["first"] < pages // 64, seen
