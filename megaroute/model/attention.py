@@ -126,10 +126,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     the kernels, where explicit matmuls took 25.2 ms against SDPA's 24.7), and bf16 sequences longer
     than EAGER_MAX_LEN (the [B, H, T, T] scores grow quadratically): torch's SDPA. The two CPU
     functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
-    y.transpose(1, 2).reshape(B, T, D) is a view, not a copy."""
+    y.transpose(1, 2).reshape(B, T, D) is a view, not a copy. Under torch.compile, float32 on CPU runs
+    the same kernels as registered opaque ops (kernels/cpu.py TRACEABLE_ATTENTION: traced, it would be
+    torch's CPU flash kernel, 3x their time)."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return _CausalAttentionF32.apply(q, k, v)
+    if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling() and cpu.TRACEABLE_ATTENTION:
+        return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if not torch.compiler.is_compiling():

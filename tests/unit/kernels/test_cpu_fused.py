@@ -362,3 +362,69 @@ def test_kernels_step_aside_for_dispatch_modes(kernels):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         causal_attention(q, q, q)
     assert counter.get_total_flops() == 2 * (2 * 2 * 8 * 8 * 16)  # q k^T and p v, whole 8 x 8 scores
+
+
+def test_compiled_float32_attention_keeps_the_kernels(kernels):
+    """Under torch.compile, float32 CPU attention runs as the registered opaque ops forward and backward
+    (traced, it would be torch's CPU flash kernel: 3x the kernels' time in a dense step), with eager's
+    values and gradients exactly."""
+    if not hasattr(kernels, "causal_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    from torch._dynamo.backends.common import aot_autograd
+
+    assert cpu.TRACEABLE_ATTENTION
+    targets = {"forward": set(), "backward": set()}
+
+    def recorder(kind):
+        def compile_graph(gm, example_inputs):
+            targets[kind] |= {node.target for node in gm.graph.nodes if node.op == "call_function"}
+            return gm
+        return compile_graph
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    q, k, v = (torch.randn(2, 3, 70, 32, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 70, 3, 32).transpose(1, 2)  # as the out-projection's backward hands it over
+    eager = causal_attention(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(causal_attention, backend=backend, fullgraph=True)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled, (q, k, v), grad)
+    ops = torch.ops.megaroute
+    assert ops.causal_attention_f32.default in targets["forward"]
+    assert ops.causal_attention_f32_backward.default in targets["backward"]
+    assert not any("scaled_dot_product" in str(t) for t in targets["forward"] | targets["backward"]), targets
+    assert compiled.stride() == eager.stride()  # rows laid out [B, T, H, Dh]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_the_attention_ops_match_sdpa_with_and_without_the_kernels(kernels, monkeypatch, built):
+    """torch.library's opcheck (the fake's shapes and strides, the autograd registration, tracing) and
+    SDPA's values, through the kernels or, where they did not build, torch's flash kernel."""
+    if built and not hasattr(kernels, "causal_attention_forward"):
+        pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
+    if not built:
+        monkeypatch.setattr(cpu, "load", lambda: None)
+    op = torch.ops.megaroute.causal_attention_f32
+    q, k, v = (torch.randn(2, 3, 70, 32, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(op.default, (q, k, v))
+    out, lse = op(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride() == (70 * 3 * 32, 32, 3 * 32, 1) and lse.shape == (2, 3, 70) and lse.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_a_second_copy_of_the_module_finds_the_attention_ops_registered():
+    """A converted model's remote code carries its own copy of cpu.py (hf/bundle.py): importing it beside
+    megaroute must not register the ops twice (torch.library would raise)."""
+    import importlib.util
+
+    copy = importlib.util.module_from_spec(importlib.util.spec_from_file_location("bundled_cpu", cpu.__file__))
+    source = open(cpu.__file__).read().replace("from .backend import", "from megaroute.kernels.backend import")
+    exec(compile(source, cpu.__file__, "exec"), copy.__dict__)
+    assert copy._register_traceable_attention() and torch.ops.megaroute.causal_attention_f32 is not None
