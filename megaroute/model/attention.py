@@ -132,7 +132,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return _CausalAttentionF32.apply(q, k, v)
-    if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling() and cpu.TRACEABLE_ATTENTION:
+    traceable = cpu.TRACEABLE_ATTENTION and torch.compiler.is_compiling()
+    if q.dtype == torch.float32 and q.device.type == "cpu" and traceable:
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
