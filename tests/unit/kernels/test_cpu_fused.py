@@ -25,6 +25,8 @@ from megaroute.model.lm_loss import _cross_entropy_tiles
 from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
 from megaroute.parallel import parallel_argmax
 
+from .compiled_graphs import compile_recording
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -370,24 +372,13 @@ def test_compiled_float32_attention_keeps_the_kernels(kernels):
     values and gradients exactly."""
     if not hasattr(kernels, "causal_attention_forward"):
         pytest.skip("this torch has no float32 brgemm (CPUBLAS_BRGEMM_F32F32F32)")
-    from torch._dynamo.backends.common import aot_autograd
-
     assert cpu.TRACEABLE_ATTENTION
-    targets = {"forward": set(), "backward": set()}
-
-    def recorder(kind):
-        def compile_graph(gm, example_inputs):
-            targets[kind] |= {node.target for node in gm.graph.nodes if node.op == "call_function"}
-            return gm
-        return compile_graph
-
-    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
     q, k, v = (torch.randn(2, 3, 70, 32, requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 70, 3, 32).transpose(1, 2)  # as the out-projection's backward hands it over
     eager = causal_attention(q, k, v)
     eager_grads = torch.autograd.grad(eager, (q, k, v), grad)
-    torch._dynamo.reset()
-    compiled = torch.compile(causal_attention, backend=backend, fullgraph=True)(q, k, v)
+    compiled_attention, targets = compile_recording(causal_attention)
+    compiled = compiled_attention(q, k, v)
     compiled_grads = torch.autograd.grad(compiled, (q, k, v), grad)
     ops = torch.ops.megaroute
     assert ops.causal_attention_f32.default in targets["forward"]

@@ -12,6 +12,8 @@ from megaroute.model import build_model
 from megaroute.parallel import ColumnParallelLinear, RowParallelLinear
 from megaroute.train.loop import TRAIN_FORWARD
 
+from .compiled_graphs import compile_recording
+
 pytestmark = pytest.mark.skipif(cpu_linear._onednn_linear() is None, reason="this torch has no oneDNN linear")
 
 
@@ -243,26 +245,15 @@ def test_backward_under_a_dispatch_mode_pads_as_forward_did():
 def test_compiled_linears_keep_onednns_gemms():
     """Under torch.compile the GEMMs, forward and backward, go through the registered opaque op
     (inductor would lower them to torch's mm), with eager's values and gradients."""
-    from torch._dynamo.backends.common import aot_autograd
-
     assert cpu_linear.TRACEABLE
-    targets = {"forward": set(), "backward": set()}
-
-    def recorder(kind):
-        def compile_graph(gm, example_inputs):
-            targets[kind] |= {node.target for node in gm.graph.nodes if node.op == "call_function"}
-            return gm
-        return compile_graph
-
-    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
     torch.manual_seed(0)
     x = torch.randn(100, 40, requires_grad=True)  # 100 rows: padded to the row bucket, as eagerly
     weight, bias = torch.randn(24, 40, requires_grad=True), torch.randn(24, requires_grad=True)
     grad = torch.randn(100, 24)
     eager = cpu_linear.linear(x, weight, bias)
     eager_grads = torch.autograd.grad(eager, (x, weight, bias), grad)
-    torch._dynamo.reset()
-    compiled = torch.compile(cpu_linear.linear, backend=backend, fullgraph=True)(x, weight, bias)
+    compiled_linear, targets = compile_recording(cpu_linear.linear)
+    compiled = compiled_linear(x, weight, bias)
     compiled_grads = torch.autograd.grad(compiled, (x, weight, bias), grad)
     op, mm = torch.ops.megaroute.onednn_linear.default, torch.ops.aten.mm.default
     assert op in targets["forward"] and op in targets["backward"]
