@@ -5,8 +5,8 @@ q/k/v block), the output projection row-parallel (its all-reduce returns a repli
 
 `fused` (default True) splits qkv and applies RoPE in one autograd function in the compute dtype
 (rope.split_qkv_rotary; plain ops that inductor fuses when torch.compile traces it) and, on CPU,
-runs float32 causal attention through a fused kernel (kernels/cpu.py; eager only) and bf16 as
-explicit matmuls (`causal_attention`, compiled blocks included);
+runs float32 causal attention through a fused kernel (kernels/cpu.py) and bf16 as explicit
+matmuls (`causal_attention`), both as opaque registered ops under torch.compile;
 `fused = False` keeps the reference math (float32 RoPE, torch's SDPA kernel),
 which tests/unit/model/test_fused.py holds the fused path to.
 
@@ -52,6 +52,40 @@ def saved_probability_elements(T: int) -> int:
     return sum((b - a) * b for a, b in query_blocks(T))
 
 
+def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """_CausalAttention's forward math: -> (out, q scaled, each query block's probabilities)."""
+    B, H, T, Dh = q.shape
+    scale = Dh ** -0.5
+    qs, k3, v3 = (q * scale).reshape(B * H, T, Dh), k.reshape(B * H, T, Dh), v.reshape(B * H, T, Dh)
+    # rows laid out [B, T, H, Dh]: the output projection reads them as [B * T, D] with no copy
+    out = q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3)
+    probs = []
+    for a, b in query_blocks(T):
+        scores = torch.bmm(qs[:, a:b], k3[:, :b].transpose(1, 2))
+        future = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)
+        scores[:, :, a:].masked_fill_(future, float("-inf"))
+        probs.append(torch.softmax(scores, dim=-1))
+        out[:, :, a:b] = torch.bmm(probs[-1], v3[:, :b]).view(B, H, b - a, Dh)
+    return out, qs, probs
+
+
+def _blocked_attention_backward(grad: torch.Tensor, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_CausalAttention's backward math (qs: q scaled, [B * H, T, Dh]) -> (grad q, k, v) [B, H, T, Dh]."""
+    BH, T, Dh = qs.shape
+    k3, v3, g3 = k.reshape(BH, T, Dh), v.reshape(BH, T, Dh), grad.reshape(BH, T, Dh)
+    grad_q, grad_k, grad_v = torch.empty_like(qs), torch.zeros_like(k3), torch.zeros_like(v3)
+    for (a, b), p in zip(query_blocks(T), probs):
+        g = g3[:, a:b]
+        grad_v[:, :b].baddbmm_(p.transpose(1, 2), g)
+        grad_scores = torch._softmax_backward_data(torch.bmm(g, v3[:, :b].transpose(1, 2)), p, -1, p.dtype)
+        torch.bmm(grad_scores, k3[:, :b], out=grad_q[:, a:b])
+        grad_k[:, :b].baddbmm_(grad_scores.transpose(1, 2), qs[:, a:b])
+    shape = grad.shape
+    return grad_q.mul_(Dh ** -0.5).view(shape), grad_k.view(shape), grad_v.view(shape)
+
+
 class _CausalAttention(torch.autograd.Function):
     """Causal attention over [B, H, T, Dh] as explicit matmuls (bf16 on CPU, `causal_attention`).
 
@@ -62,40 +96,68 @@ class _CausalAttention(torch.autograd.Function):
     accumulates in float32 and is saved in q's dtype (scores rounded like eager HF attention's), and
     backward is written out: softmax's own backward already gives masked scores a zero gradient
     (their probability is 0), so no backward pass of the masking or of the scale runs over the scores.
+    Under torch.compile the same math runs as registered opaque ops (_register_traceable_attention).
     """
 
     @staticmethod
     def forward(ctx, q, k, v):
-        B, H, T, Dh = q.shape
-        scale = Dh ** -0.5
-        qs, k3, v3 = (q * scale).view(B * H, T, Dh), k.reshape(B * H, T, Dh), v.reshape(B * H, T, Dh)
-        # rows laid out [B, T, H, Dh]: the output projection reads them as [B * T, D] with no copy
-        out = q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3)
-        probs = []
-        for a, b in query_blocks(T):
-            scores = torch.bmm(qs[:, a:b], k3[:, :b].transpose(1, 2))
-            future = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)
-            scores[:, :, a:].masked_fill_(future, float("-inf"))
-            probs.append(torch.softmax(scores, dim=-1))
-            out[:, :, a:b] = torch.bmm(probs[-1], v3[:, :b]).view(B, H, b - a, Dh)
-        ctx.save_for_backward(qs, k3, v3, *probs)
-        ctx.scale = scale
+        out, qs, probs = _blocked_attention(q, k, v)
+        ctx.save_for_backward(qs, k, v, *probs)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        qs, k3, v3, *probs = ctx.saved_tensors
-        BH, T, Dh = qs.shape
-        g3 = grad.reshape(BH, T, Dh)
-        grad_q, grad_k, grad_v = torch.empty_like(qs), torch.zeros_like(k3), torch.zeros_like(v3)
-        for (a, b), p in zip(query_blocks(T), probs):
-            g = g3[:, a:b]
-            grad_v[:, :b].baddbmm_(p.transpose(1, 2), g)
-            grad_scores = torch._softmax_backward_data(torch.bmm(g, v3[:, :b].transpose(1, 2)), p, -1, p.dtype)
-            torch.bmm(grad_scores, k3[:, :b], out=grad_q[:, a:b])
-            grad_k[:, :b].baddbmm_(grad_scores.transpose(1, 2), qs[:, a:b])
-        shape = grad.shape
-        return grad_q.mul_(ctx.scale).view(shape), grad_k.view(shape), grad_v.view(shape)
+        qs, k, v, *probs = ctx.saved_tensors
+        return _blocked_attention_backward(grad, qs, k, v, probs)
+
+
+def _register_traceable_attention() -> bool:
+    """torch.ops.megaroute.blocked_attention(q, k, v) -> (out, probabilities) and its backward op:
+    _CausalAttention's math as ops torch.compile keeps opaque, with autograd. Traced, inductor
+    computed every block's full T x T scores: forward + backward at [8, 6, 256, 64] bf16 took 15.7 ms
+    compiled against 9.4 eager (2 threads), which cancelled what compiling gained elsewhere in a bf16
+    step. Registered once per process: a converted model's remote code carries its own copy of this
+    module (hf/bundle.py), whose registration finds the ops there already."""
+    try:
+        torch.ops.megaroute.blocked_attention  # noqa: B018 (registered by another copy of this module)
+        return True
+    except AttributeError:
+        pass
+
+    @torch.library.custom_op("megaroute::blocked_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor[])")
+    def attention(q, k, v):
+        out, _, probs = _blocked_attention(q, k, v)
+        return out, probs
+
+    @attention.register_fake
+    def _(q, k, v):
+        B, H, T, Dh = q.shape
+        return (q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3),
+                [q.new_empty(B * H, b - a, b) for a, b in query_blocks(T)])
+
+    @torch.library.custom_op("megaroute::blocked_attention_backward", mutates_args=(),
+                             schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor[] probs) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(grad, q, k, v, probs):
+        B, H, T, Dh = q.shape
+        return _blocked_attention_backward(grad, (q * Dh ** -0.5).reshape(B * H, T, Dh), k, v, probs)
+
+    @attention_backward.register_fake
+    def _(grad, q, k, v, probs):
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+    def save(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output[1])
+
+    def backward(ctx, grad, _grad_probs):
+        q, k, v, *probs = ctx.saved_tensors
+        return tuple(torch.ops.megaroute.blocked_attention_backward(grad, q, k, v, probs))
+
+    attention.register_autograd(backward, setup_context=save)
+    return True
+
+
+TRACEABLE_BLOCKED = _register_traceable_attention()
 
 
 class _CausalAttentionF32(torch.autograd.Function):
@@ -122,7 +184,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     bf16 on CPU: explicit matmuls (_CausalAttention) with the
     softmax accumulated in float32: forward + backward at [8, 6, 256, 64] took 7.0 ms against 13.2
     ms for torch's CPU flash kernel (and 9.1 ms for the same matmuls under autograd; 2 threads,
-    torch 2.13, AMX); torch.compile traces the same math as plain ops. Everything else (fp32 without
+    torch 2.13, AMX); under torch.compile the same math as registered opaque ops
+    (TRACEABLE_BLOCKED). Everything else (fp32 without
     the kernels, where explicit matmuls took 25.2 ms against SDPA's 24.7), and bf16 sequences longer
     than EAGER_MAX_LEN (the [B, H, T, T] scores grow quadratically): torch's SDPA. The two CPU
     functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
@@ -137,11 +200,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if not torch.compiler.is_compiling():
-        return _CausalAttention.apply(q, k, v)
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
-    return torch.matmul(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), v)
+    if torch.compiler.is_compiling() and TRACEABLE_BLOCKED:
+        return torch.ops.megaroute.blocked_attention(q, k, v)[0]
+    return _CausalAttention.apply(q, k, v)
 
 
 def _length_buckets(lengths: list[int], n_buckets: int) -> list[list[int]]:

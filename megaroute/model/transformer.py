@@ -140,9 +140,9 @@ class Transformer(nn.Module):
         other layers call on their own (the depth gate's attention and FFN paths, MoE experts, the
         ragged path of hard halting and causal MoD) stay eager. The compiled blocks run the math `fused`
         selects (`set_fused` before or after this): fused, the RoPE traces as plain ops that inductor
-        fuses (rope.split_qkv_rotary), CPU bf16 attention stays explicit matmuls and CPU float32 attention
-        the fused kernels, as opaque registered ops (causal_attention: both faster than torch's CPU
-        flash kernel, which tracing would otherwise run). Activation checkpointing recomputes the
+        fuses (rope.split_qkv_rotary), and CPU attention stays eager's as opaque registered ops
+        (causal_attention: bf16 the blocked matmuls, float32 the fused kernels; traced, they were
+        torch's CPU flash kernel or full T x T scores, 1.7-3x their time). Activation checkpointing recomputes the
         compiled function; the model then no longer pickles.
         """
         compiled = torch.compile(TransformerBlock._update, backend=backend, dynamic=dynamic)

@@ -16,6 +16,9 @@ from torch._dynamo.utils import counters
 
 from megaroute.config import ConfigError, ModelConfig, RoutingConfig, load_config
 from megaroute.model import ForwardOptions, build_model
+from megaroute.model.attention import causal_attention
+
+from ..kernels.compiled_graphs import compile_recording
 
 REPO = Path(__file__).resolve().parents[3]
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=2, max_seq_len=16)
@@ -34,7 +37,7 @@ def dynamo():
 
 def _pair(routing: RoutingConfig, backend: str, fused: bool = False):
     """(eager model, the same weights with compiled blocks), both on the reference math (or both fused:
-    the compiled blocks trace the fused RoPE as plain ops and keep the CPU bf16 matmul attention)."""
+    the compiled blocks trace the fused RoPE as plain ops and keep the CPU attention as opaque ops)."""
     torch.manual_seed(0)
     eager = build_model(CFG, routing).set_fused(fused)
     return eager, copy.deepcopy(eager).compile_blocks(backend=backend)
@@ -97,6 +100,28 @@ def test_compiled_fused_blocks_match_eager_fused_in_one_graph(dynamo, autocast, 
         layer.block.checkpoint_activations = True
     _assert_same_step(eager, compiled, tokens, tol, autocast)
     assert dict(dynamo["graph_break"]) == {} and _graphs() == 1
+
+
+@pytest.mark.parametrize("T", [70, 256], ids=["one-block", "query-blocks"])
+def test_compiled_bf16_cpu_attention_is_the_eager_blocked_matmuls(dynamo, T):
+    """Under torch.compile, CPU bf16 attention runs _CausalAttention's math as the registered opaque ops
+    (traced, inductor computed every full T x T score block), with eager's values and gradients
+    exactly, on the non-contiguous q, k, v compiled code hands it (here a [B, T, H, Dh] layout)."""
+    q, k, v = (torch.randn(2, T, 3, 32, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    grad = torch.randn(2, 3, T, 32, dtype=torch.bfloat16)
+    eager = causal_attention(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), grad)
+    compiled_attention, targets = compile_recording(causal_attention)
+    compiled = compiled_attention(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled, (q, k, v), grad)
+    ops = torch.ops.megaroute
+    assert ops.blocked_attention.default in targets["forward"]
+    assert ops.blocked_attention_backward.default in targets["backward"]
+    assert torch.ops.aten.bmm.default not in targets["forward"] | targets["backward"]
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.library.opcheck(ops.blocked_attention.default, (q, k, v))
 
 
 def test_routed_model_compiles_once_per_routed_shape(dynamo):
