@@ -33,6 +33,13 @@ DISPATCH_OPS = ("gather", "combine", "permute", "unpermute", "permute_groups", "
 AUTO_TORCH_OPS = ("gather",)
 
 
+def op_registered(name: str) -> bool:
+    """Whether torch.ops.megaroute.<name> is registered already: by another copy of the module that
+    registers it (a converted model's remote code carries copies, hf/bundle.py), as torch.library
+    refuses a second registration."""
+    return hasattr(torch.ops.megaroute, name)
+
+
 def check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"dispatch backend must be one of {BACKENDS}, got {name!r}")

@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 from torch.utils.cpp_extension import load as load_extension
 
-from .backend import aten_required
+from .backend import aten_required, op_registered
 
 SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 ENV_SWITCH = "MEGAROUTE_CPU_KERNELS"  # "0" turns the kernels off (the eager ops run)
@@ -119,11 +119,8 @@ def _register_traceable_attention() -> bool:
     the kernels did not build, the ops run torch's flash kernel, whose (out, logsumexp) mean the same,
     in the same layouts. Registered once per process: a converted model's remote code carries its own
     copy of this module (hf/bundle.py), whose registration finds the ops there already."""
-    try:
-        torch.ops.megaroute.causal_attention_f32  # noqa: B018 (registered by another copy of this module)
+    if op_registered("causal_attention_f32"):
         return True
-    except AttributeError:
-        pass
     flash, flash_backward = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
                              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 

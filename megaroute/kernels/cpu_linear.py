@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backend import aten_required
+from .backend import aten_required, op_registered
 
 
 # Rows of a GEMM beyond one bucket are padded (zero rows) to a multiple of this: oneDNN builds a
@@ -64,11 +64,8 @@ def _register_traceable_op() -> bool:
     module (hf/bundle.py), whose registration finds the op there already. False without oneDNN."""
     if _onednn_linear() is None:
         return False
-    try:
-        torch.ops.megaroute.onednn_linear  # noqa: B018 (registered by another copy of this module)
+    if op_registered("onednn_linear"):
         return True
-    except AttributeError:
-        pass
 
     @torch.library.custom_op("megaroute::onednn_linear", mutates_args=(),
                              schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")

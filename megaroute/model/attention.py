@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import cpu
+from ..kernels.backend import op_registered
 from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
 from ..parallel.mappings import Group
 from .rope import Positions, apply_rotary, split_qkv_rotary
@@ -118,11 +119,8 @@ def _register_traceable_attention() -> bool:
     compiled against 9.4 eager (2 threads), which cancelled what compiling gained elsewhere in a bf16
     step. Registered once per process: a converted model's remote code carries its own copy of this
     module (hf/bundle.py), whose registration finds the ops there already."""
-    try:
-        torch.ops.megaroute.blocked_attention  # noqa: B018 (registered by another copy of this module)
+    if op_registered("blocked_attention"):
         return True
-    except AttributeError:
-        pass
 
     @torch.library.custom_op("megaroute::blocked_attention", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor[])")

@@ -25,7 +25,7 @@ from megaroute.model.lm_loss import _cross_entropy_tiles
 from megaroute.model.rope import Positions, RotaryEmbedding, _rotate_into
 from megaroute.parallel import parallel_argmax
 
-from .compiled_graphs import compile_recording
+from .compiled_graphs import assert_compiled_matches_eager
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -375,19 +375,11 @@ def test_compiled_float32_attention_keeps_the_kernels(kernels):
     assert cpu.TRACEABLE_ATTENTION
     q, k, v = (torch.randn(2, 3, 70, 32, requires_grad=True) for _ in range(3))
     grad = torch.randn(2, 70, 3, 32).transpose(1, 2)  # as the out-projection's backward hands it over
-    eager = causal_attention(q, k, v)
-    eager_grads = torch.autograd.grad(eager, (q, k, v), grad)
-    compiled_attention, targets = compile_recording(causal_attention)
-    compiled = compiled_attention(q, k, v)
-    compiled_grads = torch.autograd.grad(compiled, (q, k, v), grad)
+    targets = assert_compiled_matches_eager(causal_attention, (q, k, v), grad)  # rows laid out [B, T, H, Dh]
     ops = torch.ops.megaroute
     assert ops.causal_attention_f32.default in targets["forward"]
     assert ops.causal_attention_f32_backward.default in targets["backward"]
     assert not any("scaled_dot_product" in str(t) for t in targets["forward"] | targets["backward"]), targets
-    assert compiled.stride() == eager.stride()  # rows laid out [B, T, H, Dh]
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    for got, want in zip(compiled_grads, eager_grads):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("built", [True, False])

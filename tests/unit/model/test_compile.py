@@ -18,7 +18,7 @@ from megaroute.config import ConfigError, ModelConfig, RoutingConfig, load_confi
 from megaroute.model import ForwardOptions, build_model
 from megaroute.model.attention import causal_attention
 
-from ..kernels.compiled_graphs import compile_recording
+from ..kernels.compiled_graphs import assert_compiled_matches_eager
 
 REPO = Path(__file__).resolve().parents[3]
 CFG = ModelConfig(vocab_size=128, d_model=32, n_layers=4, n_heads=2, max_seq_len=16)
@@ -109,18 +109,11 @@ def test_compiled_bf16_cpu_attention_is_the_eager_blocked_matmuls(dynamo, T):
     exactly, on the non-contiguous q, k, v compiled code hands it (here a [B, T, H, Dh] layout)."""
     q, k, v = (torch.randn(2, T, 3, 32, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
     grad = torch.randn(2, 3, T, 32, dtype=torch.bfloat16)
-    eager = causal_attention(q, k, v)
-    eager_grads = torch.autograd.grad(eager, (q, k, v), grad)
-    compiled_attention, targets = compile_recording(causal_attention)
-    compiled = compiled_attention(q, k, v)
-    compiled_grads = torch.autograd.grad(compiled, (q, k, v), grad)
+    targets = assert_compiled_matches_eager(causal_attention, (q, k, v), grad)
     ops = torch.ops.megaroute
     assert ops.blocked_attention.default in targets["forward"]
     assert ops.blocked_attention_backward.default in targets["backward"]
     assert torch.ops.aten.bmm.default not in targets["forward"] | targets["backward"]
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    for got, want in zip(compiled_grads, eager_grads):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.library.opcheck(ops.blocked_attention.default, (q, k, v))
 
 
