@@ -454,16 +454,16 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
              f"{'vs FLOPs':>8} {'tokens/s':>8} {'GFLOP/s':>8} {'MFU':>6}"
              + (f" {'faults':>7}" if faults else "") + "   median ms: fwd / bwd / optim"]
     dense = med.get("dense")
+    paged = {name: statistics.median(f) for name, f in (faults or {}).items()}
     for name, t in total.items():
         share = flops[name] / flops["dense"]
         gflops = tokens * flops[name] / med[name] / 1e9
         rel = f"{med[name] / dense:10.3f} {med[name] / dense / share:7.2f}x" if dense else f"{'':>10} {'':>8}"
         phases = " / ".join(f"{statistics.median(p[ph] for p in times[name]) * 1e3:.0f}" for ph in PHASES)
-        paged = f" {statistics.median(faults[name]):7.0f}" if faults else ""
+        pages = f" {paged[name]:7.0f}" if paged else ""
         lines.append(f"  {name:<{width}} {share:11.3f} {med[name] * 1e3:9.1f} {min(t) * 1e3:8.1f} {rel} "
-                     f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}{paged}   {phases}")
-    faulted = {name: statistics.median(f) for name, f in (faults or {}).items()
-               if statistics.median(f) >= allocator.FAULTED_PAGES}
+                     f"{tokens / med[name]:8.0f} {gflops:8.1f} {gflops * 1e9 / peak:6.1%}{pages}   {phases}")
+    faulted = {name: pages for name, pages in paged.items() if pages >= allocator.FAULTED_PAGES}
     if faulted:
         lines.append("  PAGE-FAULTED: " + ", ".join(f"{name} {pages:,.0f}" for name, pages in faulted.items())
                      + " pages a step (median): fresh memory faulted in inside the timed steps is in their "

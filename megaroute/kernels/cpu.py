@@ -8,6 +8,7 @@
                                           (built where torch's headers declare the float32 brgemm);
                                           under torch.compile the registered ops
                                           torch.ops.megaroute.causal_attention_f32[_backward]
+    attention_output(q)                   the layout the CPU attention functions return
     varlen_attention_forward              the same per (sequence, head) of rows laid end to end:
                                           forward_varlen in float32 without autograd (same condition)
     cross_entropy_rows                    the LM loss's softmax passes, model/lm_loss.py's
@@ -111,16 +112,17 @@ def load() -> Optional[ModuleType]:
             os.environ["PATH"] = path
 
 
-def _register_traceable_attention() -> bool:
+def _register_traceable_attention() -> None:
     """torch.ops.megaroute.causal_attention_f32(q, k, v) -> (out, logsumexp) and its backward op: the
     float32 attention kernels as ops torch.compile keeps opaque, with autograd. Compiled blocks
     otherwise trace attention as torch's CPU flash kernel, which took 111 ms of a dense fp32 step's
     forward + backward where these took 34 (2 threads; the compiled step 1.14x the eager one). Where
-    the kernels did not build, the ops run torch's flash kernel, whose (out, logsumexp) mean the same,
-    in the same layouts. Registered once per process: a converted model's remote code carries its own
-    copy of this module (hf/bundle.py), whose registration finds the ops there already."""
+    the kernels are off or did not build, the ops run torch's flash kernel (what traced SDPA lowers
+    to), whose (out, logsumexp) mean the same, in the same layouts. Registered once per process: a
+    converted model's remote code carries its own copy of this module (hf/bundle.py), whose
+    registration finds the ops there already."""
     if op_registered("causal_attention_f32"):
-        return True
+        return
     flash, flash_backward = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
                              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
@@ -132,11 +134,11 @@ def _register_traceable_attention() -> bool:
             out, lse = kernel(q, k, v)
             return out, lse
         out, lse = flash(q, k, v, 0.0, True)
-        return _attention_out(q).copy_(out), lse.contiguous()
+        return attention_output(q).copy_(out), lse.contiguous()
 
     @attention.register_fake
     def _(q, k, v):
-        return _attention_out(q), q.new_empty(q.shape[:-1])
+        return attention_output(q), q.new_empty(q.shape[:-1])
 
     @torch.library.custom_op("megaroute::causal_attention_f32_backward", mutates_args=(),
                              schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
@@ -160,18 +162,16 @@ def _register_traceable_attention() -> bool:
         return tuple(torch.ops.megaroute.causal_attention_f32_backward(grad, *ctx.saved_tensors))
 
     attention.register_autograd(backward, setup_context=save)
-    return True
 
 
-def _attention_out(q: torch.Tensor) -> torch.Tensor:
-    """The attention kernel's output for q [B, H, T, Dh]: rows laid out [B, T, H, Dh] (the output
-    projection reads them as [B * T, D] with no copy)."""
+def attention_output(q: torch.Tensor) -> torch.Tensor:
+    """An empty attention output for q [B, H, T, Dh], as the CPU attention functions return it: rows
+    laid out [B, T, H, Dh] (the output projection reads them as [B * T, D] with no copy)."""
     B, H, T, Dh = q.shape
     return q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3)
 
 
-# Compiled blocks call the attention ops where the kernels can be built (plain SDPA otherwise).
-TRACEABLE_ATTENTION = _register_traceable_attention() and unavailable_reason() is None
+_register_traceable_attention()
 
 
 def usable(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> Optional[ModuleType]:

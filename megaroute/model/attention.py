@@ -59,8 +59,7 @@ def _blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     B, H, T, Dh = q.shape
     scale = Dh ** -0.5
     qs, k3, v3 = (q * scale).reshape(B * H, T, Dh), k.reshape(B * H, T, Dh), v.reshape(B * H, T, Dh)
-    # rows laid out [B, T, H, Dh]: the output projection reads them as [B * T, D] with no copy
-    out = q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3)
+    out = cpu.attention_output(q)
     probs = []
     for a, b in query_blocks(T):
         scores = torch.bmm(qs[:, a:b], k3[:, :b].transpose(1, 2))
@@ -97,7 +96,7 @@ class _CausalAttention(torch.autograd.Function):
     accumulates in float32 and is saved in q's dtype (scores rounded like eager HF attention's), and
     backward is written out: softmax's own backward already gives masked scores a zero gradient
     (their probability is 0), so no backward pass of the masking or of the scale runs over the scores.
-    Under torch.compile the same math runs as registered opaque ops (_register_traceable_attention).
+    Under torch.compile the same math runs as registered opaque ops (_register_traceable_blocked_attention).
     """
 
     @staticmethod
@@ -112,7 +111,7 @@ class _CausalAttention(torch.autograd.Function):
         return _blocked_attention_backward(grad, qs, k, v, probs)
 
 
-def _register_traceable_attention() -> bool:
+def _register_traceable_blocked_attention() -> None:
     """torch.ops.megaroute.blocked_attention(q, k, v) -> (out, probabilities) and its backward op:
     _CausalAttention's math as ops torch.compile keeps opaque, with autograd. Traced, inductor
     computed every block's full T x T scores: forward + backward at [8, 6, 256, 64] bf16 took 15.7 ms
@@ -120,7 +119,7 @@ def _register_traceable_attention() -> bool:
     step. Registered once per process: a converted model's remote code carries its own copy of this
     module (hf/bundle.py), whose registration finds the ops there already."""
     if op_registered("blocked_attention"):
-        return True
+        return
 
     @torch.library.custom_op("megaroute::blocked_attention", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor[])")
@@ -131,8 +130,7 @@ def _register_traceable_attention() -> bool:
     @attention.register_fake
     def _(q, k, v):
         B, H, T, Dh = q.shape
-        return (q.new_empty(B, T, H, Dh).permute(0, 2, 1, 3),
-                [q.new_empty(B * H, b - a, b) for a, b in query_blocks(T)])
+        return cpu.attention_output(q), [q.new_empty(B * H, b - a, b) for a, b in query_blocks(T)]
 
     @torch.library.custom_op("megaroute::blocked_attention_backward", mutates_args=(),
                              schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor[] probs) -> (Tensor, Tensor, Tensor)")
@@ -152,10 +150,9 @@ def _register_traceable_attention() -> bool:
         return tuple(torch.ops.megaroute.blocked_attention_backward(grad, q, k, v, probs))
 
     attention.register_autograd(backward, setup_context=save)
-    return True
 
 
-TRACEABLE_BLOCKED = _register_traceable_attention()
+_register_traceable_blocked_attention()
 
 
 class _CausalAttentionF32(torch.autograd.Function):
@@ -183,22 +180,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     softmax accumulated in float32: forward + backward at [8, 6, 256, 64] took 7.0 ms against 13.2
     ms for torch's CPU flash kernel (and 9.1 ms for the same matmuls under autograd; 2 threads,
     torch 2.13, AMX); under torch.compile the same math as registered opaque ops
-    (TRACEABLE_BLOCKED). Everything else (fp32 without
+    (_register_traceable_blocked_attention). Everything else (fp32 without
     the kernels, where explicit matmuls took 25.2 ms against SDPA's 24.7), and bf16 sequences longer
     than EAGER_MAX_LEN (the [B, H, T, T] scores grow quadratically): torch's SDPA. The two CPU
     functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
     y.transpose(1, 2).reshape(B, T, D) is a view, not a copy. Under torch.compile, float32 on CPU runs
-    the same kernels as registered opaque ops (kernels/cpu.py TRACEABLE_ATTENTION: traced, it would be
-    torch's CPU flash kernel, 3x their time)."""
+    the same kernels as registered opaque ops (kernels/cpu.py; traced, it would be torch's CPU flash
+    kernel, 3x their time)."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return _CausalAttentionF32.apply(q, k, v)
-    traceable = cpu.TRACEABLE_ATTENTION and torch.compiler.is_compiling()
-    if q.dtype == torch.float32 and q.device.type == "cpu" and traceable:
+    if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if torch.compiler.is_compiling() and TRACEABLE_BLOCKED:
+    if torch.compiler.is_compiling():
         return torch.ops.megaroute.blocked_attention(q, k, v)[0]
     return _CausalAttention.apply(q, k, v)
 
