@@ -3,6 +3,7 @@
     keep_freed_memory()     glibc's malloc keeps what the process frees, from this call on ("keep")
     add_option(parser)      the benchmarks' `--allocator` option; apply(choice) carries it out
     label(kept, environ)    the benchmark header's `allocator:` line
+    fault_remedy(kept)      what a PAGE-FAULTED warning suggests under the allocator in use
     page_faults()           this thread's minor page faults so far (per-forward counts, bench.dispatch)
     process_page_faults()   the whole process's (per-step counts of multi-threaded steps, bench.step)
 
@@ -33,6 +34,7 @@ import functools
 import os
 import platform
 import resource
+from typing import NamedTuple
 
 # mallopt's parameters (malloc.h) and what "keep" sets them to (an int each: mallopt takes a C int)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -92,11 +94,27 @@ def add_option(parser: argparse.ArgumentParser) -> None:
                              "in up front; defaults: glibc's defaults (megaroute/bench/allocator.py)")
 
 
-def apply(choice: str, environ=os.environ) -> str:
-    """The `--allocator` option: keep freed memory for "keep" (where glibc serves), then the header line."""
+class Applied(NamedTuple):
+    line: str  # the header's `allocator:` line
+    kept: bool  # keep_freed_memory took effect
+
+
+def apply(choice: str, environ=os.environ) -> Applied:
+    """The `--allocator` option: keep freed memory for "keep" (where glibc serves); -> its header line."""
     if choice not in CHOICES:
         raise ValueError(f"--allocator must be one of {', '.join(CHOICES)}, got {choice!r}")
-    return label(choice == "keep" and keep_freed_memory(environ), environ)
+    kept = choice == "keep" and keep_freed_memory(environ)
+    return Applied(label(kept, environ), kept)
+
+
+def fault_remedy(kept: bool) -> str:
+    """The end of a PAGE-FAULTED warning. Kept memory still faults once a process needs more than the
+    reserve: bench.step's eight CPU variants each hold a model and its AdamW state (~220 MB at
+    nanoGPT's shape), and with one warmup step their heap was still growing into fresh pages."""
+    if not kept:
+        return "--allocator keep avoids it"
+    return (f"with --allocator keep, the heap outgrew its {RESERVE >> 20} MiB reserve: more --warmup steps "
+            "or fewer variants per run")
 
 
 def page_faults() -> int:

@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=15)
     allocator.add_option(p)
     args = p.parse_args(argv)
-    print(allocator.apply(args.allocator))
+    applied = allocator.apply(args.allocator)
+    print(applied.line)
     torch.set_num_threads(1)
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8} {'faults/fwd':>13}")
@@ -193,16 +194,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
                   f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
                   f"{r['ratio'] / r['flops_ratio']:>7.2f}x {r['dense_faults']:>6.0f}/{r['hard_faults']:<6.0f}"
-                  f"{note}{faulted(r['dense_faults'], r['hard_faults'])}")
+                  f"{note}{faulted(r['dense_faults'], r['hard_faults'], applied.kept)}")
     return 0
 
 
-def faulted(dense_pages: float, hard_pages: float) -> str:
+def faulted(dense_pages: float, hard_pages: float, kept: bool = True) -> str:
     """The warning a line carries when a side's median forward faulted in allocator.FAULTED_PAGES or more."""
     if max(dense_pages, hard_pages) < allocator.FAULTED_PAGES:
         return ""
     return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: fresh memory is "
-            f"faulted in inside the timed forwards; --allocator keep avoids it)")
+            f"faulted in inside the timed forwards; {allocator.fault_remedy(kept)})")
 
 
 if __name__ == "__main__":

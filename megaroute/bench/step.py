@@ -433,11 +433,12 @@ def host_report(trainer: Trainer) -> str:
 
 def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int, flops: dict[str, float],
            peaks: dict[str, list[float]], peak_size: int = 2048, speedup_targets: bool = True,
-           faults: Optional[dict[str, list[int]]] = None) -> str:
+           faults: Optional[dict[str, list[int]]] = None, kept: bool = True) -> str:
     """Per variant: median (and best) step time, step/dense beside the FLOPs share, achieved model
     GFLOP/s and MFU (of the median step, against the best matmul of any GEMM in `peaks`, bench's
     samples per GEMM), the median page faults of a step (`faults`, when given) and a PAGE-FAULTED line
-    naming the variants that fault allocator.FAULTED_PAGES or more; then the targets, and each
+    naming the variants that fault allocator.FAULTED_PAGES or more (with the remedy for the allocator in
+    use: `kept`, freed memory kept); then the targets, and each
     compiled variant against its eager twin."""
     total = {name: [sum(p.values()) for p in steps] for name, steps in times.items()}
     med = {name: statistics.median(t) for name, t in total.items()}
@@ -467,7 +468,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
     if faulted:
         lines.append("  PAGE-FAULTED: " + ", ".join(f"{name} {pages:,.0f}" for name, pages in faulted.items())
                      + " pages a step (median): fresh memory faulted in inside the timed steps is in their "
-                       "times and in every ratio they enter; --allocator keep avoids it")
+                       f"times and in every ratio they enter; {allocator.fault_remedy(kept)}")
     if dense and REFERENCE in med:
         target = SPEEDUP_TARGETS.get(precision) if speedup_targets else None
         for name in ("dense", f"dense{COMPILED}"):
@@ -733,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "dense" not in variants:
         parser.error(f"the CPU comparison needs a dense variant, got {sorted(variants)}")
-    allocator_line = allocator.apply(args.allocator)
+    applied = allocator.apply(args.allocator)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     shape = variants["dense"][0]
@@ -743,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
               f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
-        print(allocator_line)
+        print(applied.line)
         print("train FLOPs/token (analytic; gpt2: counted relative to dense): " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
@@ -751,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
             times, peaks, faults = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock,
                                          variants=variants, peak_size=args.peak_size)
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
-            print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target, faults), flush=True)
+            print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target, faults,
+                                      applied.kept), flush=True)
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants)
     return 0

@@ -20,7 +20,7 @@ from megaroute.bench import allocator
 _REFAULT = """
 import json, sys, torch
 from megaroute.bench import allocator
-line = allocator.apply(sys.argv[1])
+line, kept = allocator.apply(sys.argv[1])
 before = allocator.page_faults()
 torch.empty(16 << 20).fill_(1.0)  # the process's first block of this size: heap growth
 first = allocator.page_faults() - before
@@ -29,7 +29,7 @@ for _ in range(8):  # the first cycles place the block (glibc settles where a fr
     before = allocator.page_faults()
     torch.empty(16 << 20).fill_(1.0)  # freed at once
     faults.append(allocator.page_faults() - before)
-print(json.dumps({"line": line, "first": first, "faults": faults[4:]}))
+print(json.dumps({"line": line, "kept": kept, "first": first, "faults": faults[4:]}))
 """
 
 
@@ -51,8 +51,8 @@ def refaults() -> dict:
 def test_keep_reuses_freed_memory_where_the_defaults_fault_it_in_again(refaults):
     pages = (64 << 20) // 4096
     kept, defaults = refaults["keep"], refaults["defaults"]
-    assert kept["line"].startswith("allocator: glibc malloc keeping freed memory")
-    assert "glibc malloc defaults" in defaults["line"]
+    assert kept["line"].startswith("allocator: glibc malloc keeping freed memory") and kept["kept"]
+    assert "glibc malloc defaults" in defaults["line"] and not defaults["kept"]
     # The defaults fault the block in again every cycle (here 8192 faults for its 16384 pages; huge
     # pages would count fewer); kept, a settled cycle reuses it (0 here).
     seen = f"faults per cycle: kept {kept['faults']}, defaults {defaults['faults']}"
@@ -81,7 +81,15 @@ def test_label_names_what_serves_the_process():
 def test_keep_leaves_a_preloaded_allocator_alone():
     env = {"LD_PRELOAD": "libjemalloc.so.2"}
     assert allocator.keep_freed_memory(env) is False
-    assert allocator.apply("keep", env) == "allocator: LD_PRELOAD=libjemalloc.so.2"
+    assert allocator.apply("keep", env) == ("allocator: LD_PRELOAD=libjemalloc.so.2", False)
+
+
+def test_a_page_fault_warning_suggests_what_the_allocator_in_use_lacks():
+    # Kept memory faults too once a process outgrows the reserve (many variants, one warmup step): the
+    # warning must not tell a user already running "keep" that "keep" avoids it.
+    assert allocator.fault_remedy(False) == "--allocator keep avoids it"
+    kept = allocator.fault_remedy(True)
+    assert "avoids" not in kept and f"outgrew its {allocator.RESERVE >> 20} MiB reserve" in kept and "--warmup" in kept
 
 
 def test_a_bad_choice_is_refused_by_name():

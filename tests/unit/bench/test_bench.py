@@ -118,6 +118,12 @@ def test_report_names_the_variants_whose_steps_page_fault():
     assert "  mod               0.700     400.0    400.0      0.800    1.14x     2500      1.8  43.8%     255" in out
     # medians: gpt2 65,540, dense 256 (the threshold counts), mod 255 (below it)
     assert "  PAGE-FAULTED: gpt2 65,540, dense 256 pages a step (median)" in out and "mod 255" not in out
+    def warning(report: str) -> str:
+        return next(line for line in report.splitlines() if "PAGE-FAULTED" in line)
+
+    assert warning(out).endswith(step.allocator.fault_remedy(True))  # the remedy for the allocator in use
+    assert warning(step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, faults=faults,
+                               kept=False)).endswith("--allocator keep avoids it")
     quiet = step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, faults=dict.fromkeys(steps, [0, 2, 1]))
     assert "PAGE-FAULTED" not in quiet and "  dense             1.000     500.0" in quiet
     assert "faults" not in step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]})  # CUDA: no column

@@ -103,5 +103,6 @@ def test_a_page_faulted_comparison_says_so():
     assert faulted(0, 12) == ""
     assert faulted(FAULTED_PAGES - 1, 0) == ""
     warning = faulted(17248, 3)
-    assert "PAGE-FAULTED (dense 17248, hard 3 pages a forward" in warning and "--allocator keep" in warning
+    assert "PAGE-FAULTED (dense 17248, hard 3 pages a forward" in warning and "outgrew its" in warning
+    assert faulted(17248, 3, kept=False).endswith("--allocator keep avoids it)")
     assert "hard 300 pages" in faulted(0, 300)
