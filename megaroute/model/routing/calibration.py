@@ -43,7 +43,7 @@ def quantile_cut(scores: torch.Tensor, keep: float) -> torch.Tensor:
     if n >= flat.numel():  # everything kept: any threshold below the smallest score
         return flat.min() - 1
     top = flat.topk(n + 1).values
-    return top[n] if n == 0 else (top[n - 1] + top[n]) / 2
+    return top[n] if n == 0 else top[n - 1:].mean()
 
 
 class QuantileCut(nn.Module):

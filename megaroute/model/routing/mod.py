@@ -137,8 +137,11 @@ class MoDLayer(nn.Module):
     @staticmethod
     def _statistics(idx: torch.Tensor, valid, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(selected fraction, router logit mean, std) of one decision."""
-        std = logits.std() if logits.numel() > 1 else logits.new_zeros(())
-        return dispatch.selected_fraction(idx, valid, logits.shape[1]), logits.mean(), std
+        if logits.numel() > 1:
+            std, mean = torch.std_mean(logits)  # one pass, one op: these run in every routed layer of every step
+        else:
+            std, mean = logits.new_zeros(()), logits.mean()
+        return dispatch.selected_fraction(idx, valid, logits.shape[1]), mean, std
 
     def _report(self, ctx: RoutingContext, name: str, decider, statistics) -> None:
         if decider is not None:
