@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=non_negative_int, default=1, help="torch threads (0: one per CPU this process may use)")
     allocator.add_option(p)
     args = p.parse_args(argv)
-    print(allocator.apply(args.allocator))
+    print(allocator.apply(args.allocator).line)
     env = detect_env()
     torch.set_num_threads(args.threads if args.threads > 0 else max(1, len(os.sched_getaffinity(0))))
 
