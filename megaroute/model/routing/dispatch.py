@@ -57,9 +57,8 @@ def selected_fraction(idx: torch.Tensor, valid, seq_len: int) -> torch.Tensor:
     """Fraction of a [B, seq_len] batch's tokens that a selection idx [B, k] (valid [B, k] or None: all
     real) routes through the block, as a 0-dim tensor on idx's device. torch.full rather than
     new_tensor: a Python number copied to the GPU would wait for it (a host sync per layer)."""
-    if valid is None:  # a fixed k: the fraction is known, and a division op less
-        return torch.full((), idx.numel() / (idx.shape[0] * seq_len), device=idx.device)
-    return valid.sum() / (idx.shape[0] * seq_len)
+    count = valid.sum() if valid is not None else torch.full((), idx.numel(), device=idx.device)
+    return count / (idx.shape[0] * seq_len)
 
 
 def indices_to_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
