@@ -166,6 +166,19 @@ def read_latest(root: str) -> Optional[str]:
         return None
 
 
+def tags_under(root: str) -> list[str]:
+    """Checkpoint tags on disk under `root`, oldest first (committed or not)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), n) for n in os.listdir(root) if (m := TAG_RE.match(n))]
+    return [n for _, n in sorted(found)]
+
+
+def committed_tags(root: str) -> list[str]:
+    """The tags under `root` whose save finished (a manifest), oldest first; nothing is verified."""
+    return [tag for tag in tags_under(root) if os.path.isfile(os.path.join(root, tag, MANIFEST))]
+
+
 def resume_tag(resume: str) -> str:
     """An explicit checkpoint.resume names its checkpoint by the last path component: a tag, or a
     path to a tag directory (looked up under the run's checkpoint.dir either way)."""
@@ -381,10 +394,7 @@ class CheckpointManager:
 
     def tags(self) -> list[str]:
         """Checkpoint tags on disk, oldest first."""
-        if not os.path.isdir(self.root):
-            return []
-        found = [(int(m.group(1)), n) for n in os.listdir(self.root) if (m := TAG_RE.match(n))]
-        return [n for _, n in sorted(found)]
+        return tags_under(self.root)
 
     def latest_tag(self) -> Optional[str]:
         """The tag `latest` names; None when there is none (or it is not one of our tags)."""

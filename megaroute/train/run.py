@@ -37,7 +37,7 @@ from ..paths import dir_problem
 from . import engine as ds
 from .callbacks import (BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
                         SpeedMeter)
-from .checkpoint import (CheckpointError, CheckpointManager, init_from_file, load_init_weights,
+from .checkpoint import (CheckpointError, CheckpointManager, committed_tags, init_from_file, load_init_weights,
                          resolve_checkpoint, resume_tag)
 from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
@@ -129,6 +129,64 @@ def check_resume_tag(cfg: Config) -> None:
                                                "or 'none' (start fresh)") from None
 
 
+# Families of DeepSpeed checkpoint layouts by ZeRO stage: 0 keeps the optimizer state in the model
+# files, 1 and 2 partition it per data-parallel rank (a stage-1 checkpoint loads under stage 2), 3
+# partitions the parameters too.
+ZERO_LAYOUTS = {0: "ZeRO 0", 1: "ZeRO 1-2", 2: "ZeRO 1-2", 3: "ZeRO 3"}
+
+
+def check_resume_compat(cfg: Config, layout: ParallelLayout) -> None:
+    """Resuming (checkpoint.resume not 'none') in a run directory that holds committed checkpoints needs
+    what they were saved with, read from the run's config.yaml and ds_config.json:
+      - the same model: parameter and buffer names and shapes (both configs built on the meta device);
+      - the same checkpoint layout: parallel.tp (a file per TP rank), the ZeRO stage's family
+        (ZERO_LAYOUTS) and, from ZeRO 1 on, the data-parallel size (DeepSpeed cannot re-partition the
+        optimizer state: "Automatic adjustment of ZeRO's optimizer state partitioning with a new world
+        size is not currently supported").
+    Otherwise DeepSpeed's load fails with a traceback once the process group and the engine are up. A
+    launch writes both files only after it has resumed or started fresh (`_write_run_files`), so they
+    describe the checkpoints. Files that do not load (an older schema) are left to DeepSpeed's load.
+    Raises ConfigError (exit 2) naming the key that differs."""
+    saved_path = os.path.join(cfg.run_dir, "config.yaml")
+    if (cfg.checkpoint.resume == "none" or not os.path.isfile(saved_path)
+            or not committed_tags(os.path.join(cfg.run_dir, cfg.checkpoint.dir))):
+        return
+    try:
+        saved = load_config(saved_path)
+    except ConfigError:
+        return
+    fix = "resume them with that config, or start a new run under another name"
+    shapes = [{k: tuple(v.shape) for k, v in build_model(c.model, c.routing, device="meta").state_dict().items()}
+              for c in (saved, cfg)]
+    if shapes[0] != shapes[1]:
+        before, now = flatten(saved), flatten(cfg)
+        changed = [k for k in now if k.startswith(("model.", "routing.")) and before.get(k) != now[k]]
+        tensors = sorted(k for k in shapes[0].keys() | shapes[1].keys() if shapes[0].get(k) != shapes[1].get(k))
+        what = (", ".join(f"{k}: {before.get(k)!r} there, {now[k]!r} here" for k in changed) if changed
+                else "tensors " + ", ".join(tensors[:4]) + (", ..." if len(tensors) > 4 else ""))
+        raise ConfigError(changed[0] if changed else "name", f"the run directory {cfg.run_dir} holds checkpoints "
+                                                             f"of another model ({what}; see its config.yaml): {fix}")
+    zero = [f"{c.optim.zero_stage} ({ZERO_LAYOUTS[c.optim.zero_stage]}'s layout)" for c in (saved, cfg)]
+    saved_dp = _saved_dp(cfg.run_dir) if cfg.optim.zero_stage > 0 else None
+    for key, there, here, differ in (
+            ("parallel.tp", saved.parallel.tp, layout.tp, saved.parallel.tp != layout.tp),
+            ("optim.zero_stage", *zero, ZERO_LAYOUTS[saved.optim.zero_stage] != ZERO_LAYOUTS[cfg.optim.zero_stage]),
+            ("parallel.dp", saved_dp, layout.dp, saved_dp not in (None, layout.dp))):
+        if differ:
+            raise ConfigError(key, f"the run directory {cfg.run_dir} holds checkpoints saved with {key}={there}, this "
+                                   f"launch has {here}: DeepSpeed cannot load them across that change; {fix}")
+
+
+def _saved_dp(run_dir: str) -> Optional[int]:
+    """The data-parallel size of the launch that wrote run_dir's ds_config.json, or None (unreadable)."""
+    try:
+        with open(os.path.join(run_dir, "ds_config.json")) as f:
+            ds = json.load(f)
+        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def check_run_paths(cfg: Config) -> None:
     """The run directory and its checkpoint directory are (or rank 0 can create them as) writable
     directories: a file in the way would otherwise surface after the process group, or at the first
@@ -156,7 +214,7 @@ def pretrain(cfg: Config, env: DistEnv) -> int:
 
 def _train(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict, init_path: Optional[str],
            tracking: Optional[TrackingProcess]) -> int:
-    _start(cfg, env, layout, ds_config)
+    _start(cfg, env, layout)
     train_set, val_set, tokenizer = _datasets(cfg)
     model = _model(cfg, env, layout, init_path)
     fpt = flops_per_token(cfg.model, cfg.routing, cfg.data.seq_len, training=True)
@@ -171,6 +229,8 @@ def _train(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict, i
     loader = train_loader(cfg, train_set, dp_rank, dp_size)
     manager = CheckpointManager(os.path.join(cfg.run_dir, cfg.checkpoint.dir), cfg.checkpoint.keep_last, env.rank)
     state, summary, run_id = _resume(cfg, env, engine, manager, loader, tokenizer.hash)
+    if env.is_main:
+        _write_run_files(cfg, ds_config)
 
     stop = StopSignal().install()
     watchdog = LauncherWatchdog(stop.request).start()  # a killed `deepspeed` runner leaves the ranks running
@@ -208,6 +268,7 @@ def _check(cfg: Config, env: DistEnv):
     check_run_paths(cfg)
     check_data(cfg)
     check_resume_tag(cfg)
+    check_resume_compat(cfg, layout)
     init_path = init_from_file(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     check_memory(cfg, env, layout)
     return layout, ds_config, init_path
@@ -229,19 +290,25 @@ def check_memory(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
     raise MemoryFitError(message if env.is_main else "memory pre-flight: does not fit (rank 0 prints why)")
 
 
-def _start(cfg: Config, env: DistEnv, layout: ParallelLayout, ds_config: dict) -> None:
-    """Process groups; rank 0 writes the run directory and prepares missing data while the others wait."""
+def _start(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
+    """Process groups; rank 0 creates the run directory and prepares missing data while the others wait."""
     ds.init_distributed(env)
     layout.init_process_groups()
     if env.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-        with open(os.path.join(cfg.run_dir, "ds_config.json"), "w") as f:
-            json.dump(ds_config, f, indent=1)
         if not os.path.isfile(os.path.join(cfg.data.output_dir, INDEX_FILE)):
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)
     collectives.barrier()
+
+
+def _write_run_files(cfg: Config, ds_config: dict) -> None:
+    """The run directory's config.yaml and ds_config.json, written once this launch has resumed (or found
+    nothing to resume): a launch that fails before then leaves the files that describe the run's
+    checkpoints as they were (the converter, the audit and check_resume_compat read them)."""
+    save_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    with open(os.path.join(cfg.run_dir, "ds_config.json"), "w") as f:
+        json.dump(ds_config, f, indent=1)
 
 
 def _model(cfg: Config, env: DistEnv, layout: ParallelLayout, init_path: Optional[str]):

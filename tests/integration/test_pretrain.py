@@ -165,6 +165,8 @@ def test_all_checkpoints_corrupt_stops_with_exit_2_and_touches_nothing(workdir, 
         target.write_bytes(bytes(data))
     before = {str(p): p.read_bytes() for p in sorted(ckpts.rglob("*")) if p.is_file()}
     metrics_before = (workdir / "runs" / name / "metrics.jsonl").read_text()
+    # what rebuilds these checkpoints' model (converter, audit): written only by a launch that resumed
+    saved = {f: (workdir / "runs" / name / f).read_text() for f in ("config.yaml", "ds_config.json")}
 
     again = _run(workdir, char_data, name, "train.max_steps=8", "checkpoint.interval=2", launcher="deepspeed")
     assert again.wait() == EXIT_CONFIG_ERROR, again.output()[-3000:]
@@ -173,6 +175,26 @@ def test_all_checkpoints_corrupt_stops_with_exit_2_and_touches_nothing(workdir, 
     assert "every checkpoint" in out and all(tag in out for tag in tags), out[-3000:]
     assert {str(p): p.read_bytes() for p in sorted(ckpts.rglob("*")) if p.is_file()} == before
     assert (workdir / "runs" / name / "metrics.jsonl").read_text() == metrics_before, "it trained"
+    assert {f: (workdir / "runs" / name / f).read_text() for f in saved} == saved
+
+
+def test_resuming_with_another_model_exits_2_before_process_groups_and_touches_nothing(workdir, char_data):
+    """A relaunch into a run directory whose checkpoints hold another model (here: MoD on every block
+    instead of every 2nd) stops before any process group, and the run's config.yaml, which the
+    converter and the audit read to rebuild those checkpoints' model, stays the one that wrote them."""
+    name = "other_model"
+    run = workdir / "runs" / name
+    first = _run(workdir, char_data, name, "train.max_steps=4", "checkpoint.interval=2")
+    assert first.wait() == EXIT_OK, first.output()[-3000:]
+    before = {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "mlflow" not in p.name}
+
+    again = _run(workdir, char_data, name, "train.max_steps=8", "checkpoint.interval=2", "routing.every=1",
+                 "routing.offset=0", launcher="deepspeed")
+    assert again.wait(timeout=120) == EXIT_CONFIG_ERROR, again.output()[-3000:]
+    out = again.output()
+    assert "config key 'routing.every'" in out and "holds checkpoints of another model" in out, out[-3000:]
+    assert "Initializing TorchBackend" not in out and "init_process_group" not in out
+    assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "mlflow" not in p.name} == before
 
 
 def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, reference):

@@ -382,6 +382,92 @@ def test_check_resume_tag(tmp_path):
         check_resume_tag(tiny(tmp_path, "name=r", "checkpoint.resume=step_00000004", "checkpoint.dir=other"))
 
 
+def _saved_run(tmp_path, *overrides, dp: int = 1, committed: bool = True):
+    """A run directory as a launch that saved a checkpoint leaves it: config.yaml, ds_config.json (of
+    data-parallel size dp) and checkpoints/step_00000004 (with its manifest when `committed`)."""
+    import json
+
+    from megaroute.config import save_config
+    from megaroute.train.engine import deepspeed_config
+
+    saved = tiny(tmp_path, "name=r", *overrides)
+    run = tmp_path / "runs" / "r"
+    save_config(saved, str(run / "config.yaml"))
+    (run / "ds_config.json").write_text(json.dumps(deepspeed_config(saved, dp)))
+    tag = run / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    if committed:
+        (tag / "manifest.json").write_text("{}")
+    return run
+
+
+def _resume_check(tmp_path, *overrides, tp: int = 1, dp: int = 1):
+    from megaroute.parallel import ParallelLayout
+    from megaroute.train.run import check_resume_compat
+
+    check_resume_compat(tiny(tmp_path, "name=r", *overrides), ParallelLayout(tp=tp, dp=dp))
+
+
+def test_resuming_another_model_fails_before_the_process_group_naming_what_changed(tmp_path):
+    _saved_run(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        _resume_check(tmp_path, "model.d_model=64")
+    assert e.value.path == "model.d_model"
+    assert "runs/r holds checkpoints of another model (model.d_model: 32 there, 64 here" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # MoD every 2nd block: routers and thresholds the dense model lacks
+        _resume_check(tmp_path, "routing.method=mod", "routing.every=2", "routing.offset=1")
+    assert e.value.path == "routing.method" and "(routing.method: 'none' there, 'mod' here" in str(e.value)
+    # What keeps the tensors resumes: the optimizer, the schedule, the capacity, the ZeRO stage within 1-2
+    _resume_check(tmp_path, "optim.lr=1e-3", "train.max_steps=99")
+    _resume_check(tmp_path, "optim.zero_stage=2")
+    # Nothing to check against: no resume, or no committed checkpoint
+    _resume_check(tmp_path, "model.d_model=64", "checkpoint.resume=none")
+
+
+def test_resuming_needs_the_checkpoint_layout_deepspeed_saved(tmp_path):
+    batch = "train.global_batch_size=4"  # divisible by 2 ranks' micro-batches
+    _saved_run(tmp_path, "optim.zero_stage=1", batch, dp=2)
+    _resume_check(tmp_path, "optim.zero_stage=1", batch, dp=2)
+    _resume_check(tmp_path, "optim.zero_stage=2", batch, dp=2)
+    for overrides, kw, key, said in [
+        (("optim.zero_stage=1",), dict(dp=1), "parallel.dp", "parallel.dp=2, this launch has 1"),
+        (("optim.zero_stage=0",), dict(dp=2), "optim.zero_stage", "zero_stage=1 (ZeRO 1-2's layout), this launch has 0"),
+        (("optim.zero_stage=3",), dict(dp=2), "optim.zero_stage", "this launch has 3 (ZeRO 3's layout)"),
+        (("optim.zero_stage=1",), dict(tp=2, dp=1), "parallel.tp", "parallel.tp=1, this launch has 2"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            _resume_check(tmp_path, *overrides, batch, **kw)
+        assert e.value.path == key and said in str(e.value) and "DeepSpeed cannot load them" in str(e.value)
+
+
+def test_resume_checks_what_a_committed_checkpoint_was_saved_with_only(tmp_path):
+    run = _saved_run(tmp_path, committed=False)  # a save that never finished: nothing to resume
+    _resume_check(tmp_path, "model.d_model=64")
+    (run / "checkpoints" / "step_00000004" / "manifest.json").write_text("{}")
+    (run / "config.yaml").write_text("model: [not, a, mapping]\n")  # an unloadable (older) config: DeepSpeed judges
+    _resume_check(tmp_path, "model.d_model=64")
+    (run / "config.yaml").unlink()
+    _resume_check(tmp_path, "model.d_model=64")
+
+
+def test_resume_names_the_tensors_when_no_config_key_explains_them(tmp_path, monkeypatch):
+    # Another megaroute version may build other tensors from the same keys.
+    from megaroute.train import run as run_module
+
+    _saved_run(tmp_path)
+    built = []
+
+    def build(model, routing, device="cpu"):
+        built.append(None)
+        m = torch.nn.Linear(2, 2 if len(built) == 1 else 3, device=device)
+        return m
+
+    monkeypatch.setattr(run_module, "build_model", build)
+    with pytest.raises(ConfigError) as e:
+        _resume_check(tmp_path)
+    assert e.value.path == "name" and "another model (tensors bias, weight;" in str(e.value)
+
+
 @pytest.mark.parametrize("case", ["missing-source", "missing-prepared-dir", "vocab", "resume-tag", "empty-config"])
 def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, prepared_dir, monkeypatch, capsys,
                                                                       case):
