@@ -179,6 +179,20 @@ def committed_tags(root: str) -> list[str]:
     return [tag for tag in tags_under(root) if os.path.isfile(os.path.join(root, tag, MANIFEST))]
 
 
+def set_aside(root: str) -> Optional[str]:
+    """Moves a checkpoint directory that holds any checkpoint tag to <root>.replaced-<UTC time> and returns
+    the new path (None: nothing there). A run that starts over (checkpoint.resume=none) does this first:
+    its own tags would otherwise sit among the old run's, and a later `auto` resume, which takes the
+    newest committed tag whatever `latest` says, would pick up an old one with a higher step."""
+    if not tags_under(root):
+        return None
+    target = f"{root}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    while os.path.exists(target):  # two restarts within a second
+        target += "_"
+    os.rename(root, target)
+    return target
+
+
 def resume_tag(resume: str) -> str:
     """An explicit checkpoint.resume names its checkpoint by the last path component: a tag, or a
     path to a tag directory (looked up under the run's checkpoint.dir either way)."""

@@ -38,7 +38,7 @@ from . import engine as ds
 from .callbacks import (BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
                         SpeedMeter)
 from .checkpoint import (CheckpointError, CheckpointManager, committed_tags, init_from_file, load_init_weights,
-                         resolve_checkpoint, resume_tag)
+                         resolve_checkpoint, resume_tag, set_aside)
 from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
@@ -291,11 +291,16 @@ def check_memory(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
 
 
 def _start(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
-    """Process groups; rank 0 creates the run directory and prepares missing data while the others wait."""
+    """Process groups; rank 0 creates the run directory, sets a restarted run's earlier checkpoints aside
+    (checkpoint.resume=none: checkpoint.set_aside) and prepares missing data while the others wait."""
     ds.init_distributed(env)
     layout.init_process_groups()
     if env.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
+        if cfg.checkpoint.resume == "none":
+            moved = set_aside(os.path.join(cfg.run_dir, cfg.checkpoint.dir))
+            if moved:
+                print(f"checkpoint.resume=none: starting over; the run's earlier checkpoints are in {moved}", flush=True)
         if not os.path.isfile(os.path.join(cfg.data.output_dir, INDEX_FILE)):
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)

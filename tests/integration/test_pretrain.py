@@ -197,6 +197,24 @@ def test_resuming_with_another_model_exits_2_before_process_groups_and_touches_n
     assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "mlflow" not in p.name} == before
 
 
+def test_a_restart_sets_the_old_checkpoints_aside_so_a_later_resume_continues_the_new_run(workdir, char_data):
+    """checkpoint.resume=none in a directory with checkpoints starts over; the old run's tags must not stay
+    beside the new run's, or the next `auto` resume (newest committed tag wins) would continue the old run."""
+    name = "restarted"
+    ckpts = workdir / "runs" / name / "checkpoints"
+    old = _run(workdir, char_data, name, "train.max_steps=6", "checkpoint.interval=2")
+    assert old.wait() == EXIT_OK, old.output()[-3000:]
+    restart = _run(workdir, char_data, name, "train.max_steps=2", "checkpoint.interval=2", "checkpoint.resume=none")
+    assert restart.wait() == EXIT_OK, restart.output()[-3000:]
+    aside = [p for p in ckpts.parent.iterdir() if p.name.startswith("checkpoints.replaced-")]
+    assert len(aside) == 1 and f"earlier checkpoints are in {aside[0]}" in restart.output()
+    assert {p.name for p in aside[0].iterdir() if p.name.startswith("step_")} == {f"step_{s:08d}" for s in (2, 4, 6)}
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    resumed = _run(workdir, char_data, name, "train.max_steps=4", "checkpoint.interval=2")
+    assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
+    assert f"resumed from {ckpts / 'step_00000002'} at step 2" in resumed.output()
+
+
 def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, reference):
     name = "sigterm"
     run_dir = workdir / "runs" / name

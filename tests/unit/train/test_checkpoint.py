@@ -407,3 +407,21 @@ def test_init_from_file_accepts_what_resolve_takes_and_names_the_key(tmp_path):
     os.rename(tag_file, root / "step_00000004" / "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO-3's name
     with pytest.raises(ConfigError, match=r"mp_rank_00_model_states.pt does not exist"):
         ckpt.init_from_file(str(tmp_path / "run"))
+
+
+def test_a_restart_sets_the_earlier_checkpoints_aside_and_deletes_nothing(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    assert ckpt.set_aside(str(root)) is None  # nothing there
+    root.mkdir()
+    (root / LATEST).write_text("step_00000006")
+    assert ckpt.set_aside(str(root)) is None and (root / LATEST).exists()  # no checkpoint tag: left alone
+    for step in (4, 6):
+        (root / f"step_{step:08d}").mkdir()
+        (root / f"step_{step:08d}" / MANIFEST).write_text("{}")
+    monkeypatch.setattr(ckpt.time, "gmtime", lambda: ckpt.time.struct_time((2026, 11, 28, 4, 35, 44, 5, 332, 0)))
+    moved = ckpt.set_aside(str(root))
+    assert moved == f"{root}.replaced-20261128T043544Z" and not root.exists()
+    assert sorted(os.listdir(moved)) == [LATEST, "step_00000004", "step_00000006"]
+    root.mkdir()
+    (root / "step_00000002").mkdir()  # a second restart within the same second
+    assert ckpt.set_aside(str(root)) == f"{moved}_" and os.path.isdir(f"{moved}_/step_00000002")
