@@ -181,8 +181,8 @@ def _saved_dp(run_dir: str) -> Optional[int]:
     """The data-parallel size of the launch that wrote run_dir's ds_config.json, or None (unreadable)."""
     try:
         with open(os.path.join(run_dir, "ds_config.json")) as f:
-            ds = json.load(f)
-        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+            saved = json.load(f)
+        return saved["train_batch_size"] // (saved["train_micro_batch_size_per_gpu"] * saved["gradient_accumulation_steps"])
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
 
