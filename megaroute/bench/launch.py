@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,15 @@ def run_launcher(config: str, overrides: list[str], log: str, threads: int, labe
                              env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)})
     if rc != 0:
         raise SystemExit(f"{label} failed (exit {rc}); see {log}")
+
+
+def clear_run(run_dir: str) -> None:
+    """Removes what an earlier training of this benchmark run left that a fresh one would mix with: its
+    metrics.jsonl (a run appends to it) and its checkpoints (a restart, checkpoint.resume=none, would set
+    them aside, one copy per rerun). The benchmarks own these run directories."""
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
 
 
 def last_records(run_dir: str) -> dict[str, dict]:

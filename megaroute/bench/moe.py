@@ -52,7 +52,7 @@ from ..model import build_model
 from ..model.routing import RoutingContext
 from ..model.routing.moe import MoEFFN, active_params
 from ..paths import dir_problem
-from .launch import REPO, last_records, run_launcher
+from .launch import REPO, clear_run, last_records, run_launcher
 
 COMPARED = ["char_dense", "char_mod", "char_moe", "char_mode_staged", "char_mode_integrated"]
 HOLDS = {"flops": "matched training FLOPs", "active_params": "matched active parameters (and tokens)"}
@@ -139,8 +139,7 @@ def train(job: Job, runs_dir: str, threads: int, reuse: bool) -> dict:
         last = last_records(run_dir)
         if last.get("eval", {}).get("step") == job.steps:
             return {**last, "reused": True}
-    if os.path.exists(metrics):
-        os.remove(metrics)  # a fresh run appends to it
+    clear_run(run_dir)
     os.makedirs(runs_dir, exist_ok=True)
     run_launcher(os.path.join(REPO, "configs/experiments", f"{job.config}.yaml"), launcher_overrides(job, runs_dir),
                  os.path.join(runs_dir, f"{job.run_name}.log"), threads, job.run_name)

@@ -48,7 +48,7 @@ from ..model.routing import method_spec
 from ..model.routing.context import eval_modes
 from ..paths import dir_problem
 from ..train.loop import Evaluator
-from .launch import REPO, last_records, run_launcher
+from .launch import REPO, clear_run, last_records, run_launcher
 
 # The halting sweep: soft training forward over (init_bias, penalty lambda), then the hard training
 # forward with a skip target on every block, every second or every third one. Every point is a shipped config.
@@ -112,8 +112,7 @@ def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: in
                  "tracking.enabled=false"]
     if cfg.checkpoint.init_from:
         overrides.append(f"checkpoint.init_from={os.path.join(runs_dir, 'char_dense')}")
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        os.remove(os.path.join(run_dir, "metrics.jsonl"))  # a fresh run appends to it
+    clear_run(run_dir)
     start = time.perf_counter()
     run_launcher(os.path.join(REPO, "configs/experiments", f"{name}.yaml"), overrides,
                  os.path.join(runs_dir, f"{name}.log"), threads, name)

@@ -91,3 +91,17 @@ def test_compare_trains_through_the_launcher(tmp_path, monkeypatch, capsys):
         "char_dense-steps2-seed0", "char_mod-steps2-seed0", "char_mod-steps4-seed0"]
     assert "Matched training FLOPs:" in out and "Matched active parameters" in out and "one seed (0)" in out
     assert (tmp_path / "moe_tables.md").read_text().count("| char_mod |") == 2
+
+
+def test_a_retrained_benchmark_run_starts_from_a_clear_directory(tmp_path):
+    # A retrained run appends to metrics.jsonl, and its restart (checkpoint.resume=none) would set the
+    # earlier checkpoints aside, a copy per rerun: the benchmarks clear both in their own run directories.
+    from megaroute.bench.launch import clear_run
+
+    run = tmp_path / "run"
+    clear_run(str(run))  # nothing there yet
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "config.yaml").write_text("name: run\n")
+    clear_run(str(run))
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
