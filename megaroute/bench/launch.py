@@ -1,5 +1,6 @@
 """Training runs for the benchmarks that train through the real launcher (bench.routing, bench.moe,
-bench.convert): one `launcher/pretrain.py` subprocess per run, and the run's last metrics records."""
+bench.convert): one `launcher/pretrain.py` subprocess per run, a retrained run's earlier outputs
+cleared, and the run's last metrics records."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+
+from ..train.checkpoint import CHECKPOINTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +32,7 @@ def clear_run(run_dir: str) -> None:
     them aside, one copy per rerun). The benchmarks own these run directories."""
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         os.remove(os.path.join(run_dir, "metrics.jsonl"))
-    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+    shutil.rmtree(os.path.join(run_dir, CHECKPOINTS), ignore_errors=True)
 
 
 def last_records(run_dir: str) -> dict[str, dict]:

@@ -174,9 +174,14 @@ def tags_under(root: str) -> list[str]:
     return [n for _, n in sorted(found)]
 
 
+def _committed(root: str, tag: str) -> bool:
+    """Whether the save of `tag` under `root` finished (rank 0 wrote its manifest)."""
+    return os.path.isfile(os.path.join(root, tag, MANIFEST))
+
+
 def committed_tags(root: str) -> list[str]:
     """The tags under `root` whose save finished (a manifest), oldest first; nothing is verified."""
-    return [tag for tag in tags_under(root) if os.path.isfile(os.path.join(root, tag, MANIFEST))]
+    return [tag for tag in tags_under(root) if _committed(root, tag)]
 
 
 def set_aside(root: str) -> Optional[str]:
@@ -415,9 +420,6 @@ class CheckpointManager:
         tag = read_latest(self.root)
         return tag if tag is not None and TAG_RE.match(tag) else None
 
-    def _committed(self, tag: str) -> bool:
-        return os.path.isfile(os.path.join(self.root, tag, MANIFEST))
-
     def save(self, engine, step: int, client_state: dict) -> str:
         """Collective: every rank must call it at the same step."""
         tag = tag_for(step)
@@ -431,11 +433,11 @@ class CheckpointManager:
             self._barrier()
             return tag
         if self.rank == 0 and os.path.isdir(tag_dir):
-            if self._committed(tag) and self.latest_tag() == tag:
+            if _committed(self.root, tag) and self.latest_tag() == tag:
                 # Replacing the committed checkpoint `latest` names (e.g. after resuming from an older
                 # one): point `latest` at the previous committed one first, so a crash mid-save
                 # leaves it at a complete checkpoint rather than at a half-written directory.
-                older = [t for t in self.tags() if _step_of(t) < step and self._committed(t)]
+                older = [t for t in committed_tags(self.root) if _step_of(t) < step]
                 if older:
                     _atomic_write(os.path.join(self.root, LATEST), older[-1])
                 else:
@@ -455,7 +457,7 @@ class CheckpointManager:
 
     def _apply_retention(self, latest: str) -> None:
         tags = self.tags()
-        committed = [t for t in tags if self._committed(t)]
+        committed = committed_tags(self.root)
         keep = set(committed[-self.keep_last:]) | {latest}
         latest_step = _step_of(latest)
         for t in tags:
@@ -491,9 +493,7 @@ class CheckpointManager:
         # garbage or names an older tag must not hide (and later overwrite) a newer good checkpoint.
         latest = self.latest_tag()
         corrupt: list[str] = []
-        for tag in reversed(self.tags()):
-            if not self._committed(tag):
-                continue  # a save that never finished: not a checkpoint
+        for tag in reversed(committed_tags(self.root)):  # a save that never finished is not a checkpoint
             problems = verify(os.path.join(self.root, tag))
             if problems:
                 warnings.warn(f"checkpoint {tag} is corrupt and will be skipped: {'; '.join(problems)}", stacklevel=2)
