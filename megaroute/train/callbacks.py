@@ -162,6 +162,9 @@ class BudgetCheck(Callback):
             self.tracker.set_tags({"budget_warning": message})
 
 
+METRICS_FILE = "metrics.jsonl"  # in the run directory: every step's and eval's metrics (MetricsFile)
+
+
 class MetricsFile(Callback):
     """Appends every step's and eval's metrics to <run_dir>/metrics.jsonl (rank 0)."""
 

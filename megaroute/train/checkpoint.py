@@ -184,17 +184,29 @@ def committed_tags(root: str) -> list[str]:
     return [tag for tag in tags_under(root) if _committed(root, tag)]
 
 
-def set_aside(root: str) -> Optional[str]:
-    """Moves a checkpoint directory that holds any checkpoint tag to <root>.replaced-<UTC time> and returns
-    the new path (None: nothing there). A run that starts over (checkpoint.resume=none) does this first:
-    its own tags would otherwise sit among the old run's, and a later `auto` resume, which takes the
-    newest committed tag whatever `latest` says, would pick up an old one with a higher step."""
+def replaced_stamp() -> str:
+    """The UTC time a restart names what it sets aside with (set_aside's `stamp`)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def set_aside(root: str, stamp: Optional[str] = None) -> Optional[str]:
+    """Moves a checkpoint directory that holds any checkpoint tag to <root>.replaced-<stamp> (default: the
+    UTC time now) and returns the new path (None: nothing there). A run that starts over
+    (checkpoint.resume=none) does this first: its own tags would otherwise sit among the old run's, and
+    a later `auto` resume, which takes the newest committed tag whatever `latest` says, would pick up an
+    old one with a higher step."""
     if not tags_under(root):
         return None
-    target = f"{root}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    while os.path.exists(target):  # two restarts within a second
+    return move_aside(root, stamp or replaced_stamp())
+
+
+def move_aside(path: str, stamp: str) -> str:
+    """Renames `path` (a file or directory) to <path>.replaced-<stamp>, a `_` appended while that name is
+    taken (two restarts within a second); returns the new path. Nothing is deleted."""
+    target = f"{path}.replaced-{stamp}"
+    while os.path.exists(target):
         target += "_"
-    os.rename(root, target)
+    os.rename(path, target)
     return target
 
 

@@ -35,10 +35,10 @@ from ..model.routing.context import eval_modes
 from ..parallel import ParallelLayout, collectives
 from ..paths import dir_problem
 from . import engine as ds
-from .callbacks import (BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
+from .callbacks import (METRICS_FILE, BudgetCheck, LossSummary, MetricsFile, MLflowLogger, PeriodicCheckpoint, ProgressPrinter, RoutingStateSync,
                         SpeedMeter)
 from .checkpoint import (CheckpointError, CheckpointManager, committed_tags, init_from_file, load_init_weights,
-                         resolve_checkpoint, resume_tag, set_aside)
+                         move_aside, replaced_stamp, resolve_checkpoint, resume_tag, set_aside)
 from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
@@ -291,20 +291,32 @@ def check_memory(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
 
 
 def _start(cfg: Config, env: DistEnv, layout: ParallelLayout) -> None:
-    """Process groups; rank 0 creates the run directory, sets a restarted run's earlier checkpoints aside
-    (checkpoint.resume=none: checkpoint.set_aside) and prepares missing data while the others wait."""
+    """Process groups; rank 0 creates the run directory, sets a restarted run's earlier checkpoints and
+    metrics aside (checkpoint.resume=none: _start_over) and prepares missing data while the others wait."""
     ds.init_distributed(env)
     layout.init_process_groups()
     if env.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
         if cfg.checkpoint.resume == "none":
-            moved = set_aside(os.path.join(cfg.run_dir, cfg.checkpoint.dir))
-            if moved:
-                print(f"checkpoint.resume=none: starting over; the run's earlier checkpoints are in {moved}", flush=True)
+            _start_over(cfg)
         if not os.path.isfile(os.path.join(cfg.data.output_dir, INDEX_FILE)):
             print(f"preparing {cfg.data.source} -> {cfg.data.output_dir}", flush=True)
             prepare(cfg.data)
     collectives.barrier()
+
+
+def _start_over(cfg: Config) -> None:
+    """checkpoint.resume=none: the earlier run's checkpoints (checkpoint.set_aside) and metrics.jsonl move
+    to `<name>.replaced-<UTC time>`, one time for both; nothing is deleted. Appended to, the old run's
+    metrics.jsonl would hold its points beside the new run's, and readers that keep each step's last
+    point would report the old run's steps beyond the new run's last as this run's."""
+    stamp = replaced_stamp()
+    moved = set_aside(os.path.join(cfg.run_dir, cfg.checkpoint.dir), stamp)
+    if moved:
+        print(f"checkpoint.resume=none: starting over; the run's earlier checkpoints are in {moved}", flush=True)
+    metrics = os.path.join(cfg.run_dir, METRICS_FILE)
+    if os.path.exists(metrics):
+        print(f"checkpoint.resume=none: the run's earlier metrics are in {move_aside(metrics, stamp)}", flush=True)
 
 
 def _write_run_files(cfg: Config, ds_config: dict) -> None:
@@ -371,7 +383,7 @@ def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager
     if method_spec(cfg.routing.method).syncs_state and dp_size > 1:
         callbacks.insert(0, RoutingStateSync(model, layout.get_data_parallel_group()))
     if env.is_main:
-        callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+        callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(cfg.run_dir, METRICS_FILE))]
     callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))
     if tracker is not None:
         callbacks.append(MLflowLogger(tracker, cfg.train.log_interval))
@@ -497,7 +509,7 @@ def _make_tracker(cfg: Config, env: DistEnv, run_id: Optional[str], tokenizer, r
             training_proxy(cfg.model, cfg.routing, cfg.data.seq_len, frozen_base=True), 4)
     uri = config_uri(cfg)
     run_id, find_existing = tracked_run(cfg, uri, resumed_step, run_id)
-    metrics_file = os.path.join(cfg.run_dir, "metrics.jsonl")
+    metrics_file = os.path.join(cfg.run_dir, METRICS_FILE)
     backfill = None  # points up to the resumed step that the store may lack (a tracker killed before sending)
     if resumed_step > 0 and cfg.checkpoint.resume != "none" and os.path.exists(metrics_file):
         backfill = (os.path.abspath(metrics_file), resumed_step, cfg.train.log_interval, total_steps or 0)

@@ -12,6 +12,7 @@ import sys
 from typing import Optional
 
 from ..config import Config
+from .callbacks import METRICS_FILE
 from .tracking import MLflowTracker
 
 # The record: {"tracking_uri", "experiment", "run_id"}.
@@ -51,7 +52,7 @@ def tracked_run(cfg: Config, uri: str, resumed_step: int, checkpoint_run_id: Opt
         return None, False
     if checkpoint_run_id:
         return checkpoint_run_id, False
-    return None, resumed_step > 0 or os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    return None, resumed_step > 0 or os.path.exists(os.path.join(cfg.run_dir, METRICS_FILE))
 
 
 def await_run(cfg: Config, tracker: MLflowTracker) -> None:

@@ -6,6 +6,7 @@ resumed run must reproduce the uninterrupted run bit for bit.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -197,22 +198,34 @@ def test_resuming_with_another_model_exits_2_before_process_groups_and_touches_n
     assert {str(p): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and "mlflow" not in p.name} == before
 
 
-def test_a_restart_sets_the_old_checkpoints_aside_so_a_later_resume_continues_the_new_run(workdir, char_data):
+def test_a_restart_sets_the_old_run_aside_so_a_later_resume_continues_the_new_run(workdir, char_data):
     """checkpoint.resume=none in a directory with checkpoints starts over; the old run's tags must not stay
-    beside the new run's, or the next `auto` resume (newest committed tag wins) would continue the old run."""
+    beside the new run's, or the next `auto` resume (newest committed tag wins) would continue the old run,
+    and its metrics.jsonl must not stay under the new run's, or its steps beyond the new run's last would
+    read as the new run's."""
     name = "restarted"
-    ckpts = workdir / "runs" / name / "checkpoints"
+    run_dir = workdir / "runs" / name
+    ckpts = run_dir / "checkpoints"
     old = _run(workdir, char_data, name, "train.max_steps=6", "checkpoint.interval=2")
     assert old.wait() == EXIT_OK, old.output()[-3000:]
+    old_losses = losses(run_dir)
     restart = _run(workdir, char_data, name, "train.max_steps=2", "checkpoint.interval=2", "checkpoint.resume=none")
     assert restart.wait() == EXIT_OK, restart.output()[-3000:]
     aside = [p for p in ckpts.parent.iterdir() if p.name.startswith("checkpoints.replaced-")]
     assert len(aside) == 1 and f"earlier checkpoints are in {aside[0]}" in restart.output()
     assert {p.name for p in aside[0].iterdir() if p.name.startswith("step_")} == {f"step_{s:08d}" for s in (2, 4, 6)}
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_00000002"]
+    stamp = aside[0].name.removeprefix("checkpoints.replaced-")
+    old_metrics = run_dir / f"metrics.jsonl.replaced-{stamp}"  # one time names both
+    assert f"earlier metrics are in {old_metrics}" in restart.output()
+    new_losses = losses(run_dir)
+    assert sorted(new_losses) == [1, 2] and new_losses[1] == old_losses[1]  # the same seed: the same first loss
+    assert [json.loads(line)["step"] for line in old_metrics.read_text().splitlines()
+            if json.loads(line)["kind"] == "train"] == list(range(1, 7))
     resumed = _run(workdir, char_data, name, "train.max_steps=4", "checkpoint.interval=2")
     assert resumed.wait() == EXIT_OK, resumed.output()[-3000:]
     assert f"resumed from {ckpts / 'step_00000002'} at step 2" in resumed.output()
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]  # nothing of the old run's steps 5 and 6
 
 
 def test_sigterm_checkpoints_exits_75_and_resume_completes(workdir, char_data, reference):

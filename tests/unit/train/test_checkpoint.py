@@ -425,3 +425,14 @@ def test_a_restart_sets_the_earlier_checkpoints_aside_and_deletes_nothing(tmp_pa
     root.mkdir()
     (root / "step_00000002").mkdir()  # a second restart within the same second
     assert ckpt.set_aside(str(root)) == f"{moved}_" and os.path.isdir(f"{moved}_/step_00000002")
+
+
+def test_move_aside_renames_a_file_and_keeps_an_earlier_one_of_the_same_stamp(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("old\n")
+    assert ckpt.move_aside(str(metrics), "20261128T043544Z") == f"{metrics}.replaced-20261128T043544Z"
+    metrics.write_text("older\n")
+    assert ckpt.move_aside(str(metrics), "20261128T043544Z") == f"{metrics}.replaced-20261128T043544Z_"
+    assert not metrics.exists()
+    assert (tmp_path / "metrics.jsonl.replaced-20261128T043544Z").read_text() == "old\n"
+    assert (tmp_path / "metrics.jsonl.replaced-20261128T043544Z_").read_text() == "older\n"
