@@ -139,7 +139,8 @@ def check_resume_compat(cfg: Config, layout: ParallelLayout) -> None:
     """Resuming (checkpoint.resume not 'none') in a run directory that holds committed checkpoints needs
     what they were saved with, read from the run's config.yaml and ds_config.json:
       - the same model: parameter and buffer names and shapes (both configs built on the meta device);
-      - the same checkpoint layout: parallel.tp (a file per TP rank), the ZeRO stage's family
+      - the same checkpoint layout: parallel.tp (a file per TP rank), parallel.ep (experts stacked per
+        EP rank, and one file per expert from ep 2 on), the ZeRO stage's family
         (ZERO_LAYOUTS) and, from ZeRO 1 on, the data-parallel size (DeepSpeed cannot re-partition the
         optimizer state: "Automatic adjustment of ZeRO's optimizer state partitioning with a new world
         size is not currently supported").
@@ -170,6 +171,8 @@ def check_resume_compat(cfg: Config, layout: ParallelLayout) -> None:
     saved_dp = _saved_dp(cfg.run_dir) if cfg.optim.zero_stage > 0 else None
     for key, there, here, differ in (
             ("parallel.tp", saved.parallel.tp, layout.tp, saved.parallel.tp != layout.tp),
+            # ep > 1 saves each rank's experts stacked in its states file and each expert in its own file
+            ("parallel.ep", saved.parallel.ep, layout.ep, saved.parallel.ep != layout.ep),
             ("optim.zero_stage", *zero, ZERO_LAYOUTS[saved.optim.zero_stage] != ZERO_LAYOUTS[cfg.optim.zero_stage]),
             ("parallel.dp", saved_dp, layout.dp, saved_dp not in (None, layout.dp))):
         if differ:

@@ -401,11 +401,11 @@ def _saved_run(tmp_path, *overrides, dp: int = 1, committed: bool = True):
     return run
 
 
-def _resume_check(tmp_path, *overrides, tp: int = 1, dp: int = 1):
+def _resume_check(tmp_path, *overrides, tp: int = 1, dp: int = 1, ep: int = 1):
     from megaroute.parallel import ParallelLayout
     from megaroute.train.run import check_resume_compat
 
-    check_resume_compat(tiny(tmp_path, "name=r", *overrides), ParallelLayout(tp=tp, dp=dp))
+    check_resume_compat(tiny(tmp_path, "name=r", *overrides), ParallelLayout(tp=tp, dp=dp, ep=ep))
 
 
 def test_resuming_another_model_fails_before_the_process_group_naming_what_changed(tmp_path):
@@ -438,6 +438,18 @@ def test_resuming_needs_the_checkpoint_layout_deepspeed_saved(tmp_path):
         with pytest.raises(ConfigError) as e:
             _resume_check(tmp_path, *overrides, batch, **kw)
         assert e.value.path == key and said in str(e.value) and "DeepSpeed cannot load them" in str(e.value)
+
+
+def test_resuming_experts_needs_the_expert_parallel_size_they_were_saved_with(tmp_path):
+    """parallel.ep 2 -> 1 failed inside DeepSpeed's load (the states file holds 2 of the 4 experts:
+    "size mismatch for layers.1.moe.w_down"), 1 -> 2 on a missing per-expert file."""
+    moe = ("routing.method=moe", "routing.every=2", "routing.offset=1", "routing.moe.num_experts=4",
+           "train.global_batch_size=4")
+    _saved_run(tmp_path, *moe, "parallel.ep=2", dp=2)
+    _resume_check(tmp_path, *moe, "parallel.ep=2", dp=2, ep=2)
+    with pytest.raises(ConfigError) as e:
+        _resume_check(tmp_path, *moe, dp=2, ep=1)
+    assert e.value.path == "parallel.ep" and "parallel.ep=2, this launch has 1" in str(e.value)
 
 
 def test_resume_checks_what_a_committed_checkpoint_was_saved_with_only(tmp_path):
