@@ -43,7 +43,8 @@ variants' steps are interleaved round by round (each round in its own shuffled o
 noise hits all alike. Each comparison also prints its ratio per round (the two variants' steps of one round side by side): the median and
 interquartile range of those ratios say how much of a difference the noise could make. On a shared
 machine wall-clock times swing with other load; `--threads 1 --clock thread` measures this
-thread's CPU time instead, which other processes barely disturb.
+thread's CPU time instead, which other processes barely disturb. `--sample` adds greedy KV-cache
+sampling speed after the steps (as on CUDA, below; weights in the first --precision's dtype).
 
 CPU step times depend on the allocator, and the header names it (bench/allocator.py). With glibc's
 defaults, freed large blocks go back to the OS, so every fresh large tensor is page-faulted in again,
@@ -634,22 +635,33 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants, device="cuda")
     if args.sample:
-        dtype = AMP_DTYPES.get(args.precision[0], torch.float32)
-        print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
-              f"batch {args.sample_batch}, {args.prompt_len}-token prompt + {args.new_tokens} new tokens; random weights)")
-        rows = [(name, shape, r, False) for name, (shape, r) in variants.items()]
-        if "mod" in variants:  # a trained MoD passes ~capacity of the tokens; a random router's sign ~half
-            shape, r = variants["mod"]
-            rows.append(("mod_calibrated", shape, r, True))
-        speeds = {}
-        for name, shape, r, calibrate in rows:
-            tps, frac = sampling_speed(shape, r, dtype, args.sample_batch, args.prompt_len, args.new_tokens, calibrate)
-            speeds[name] = tps
-            extra = f", routed blocks ran {frac:.0%} of tokens" if frac is not None else ""
-            print(f"  {name:<14} {tps:9,.0f} tokens/s{extra}", flush=True)
-        for name in speeds:
-            if name != "dense" and "dense" in speeds:
-                print(f"  {name} / dense sampling speed: {speeds[name] / speeds['dense']:.2f}x")
+        print_sampling(args, variants, AMP_DTYPES.get(args.precision[0], torch.float32), "cuda")
+
+
+def print_sampling(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]], dtype: torch.dtype,
+                   device: str) -> None:
+    """Greedy KV-cache sampling speed of each variant (sampling_speed), and of MoD with its thresholds
+    calibrated, against dense's."""
+    print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
+          f"batch {args.sample_batch}, {args.prompt_len}-token prompt + {args.new_tokens} new tokens; random weights; "
+          f"{device})")
+    # megaroute's own models: sampling_speed builds each variant's model anew (eager, fused math), so gpt2,
+    # reference and the compiled or torch-GEMM twins would be dense again under another name
+    rows = [(name, shape, r, False) for name, (shape, r) in variants.items()
+            if name not in (REFERENCE, BASELINE, TORCH_GEMM) and not name.endswith(COMPILED)]
+    if "mod" in variants:  # a trained MoD passes ~capacity of the tokens; a random router's sign ~half
+        shape, r = variants["mod"]
+        rows.append(("mod_calibrated", shape, r, True))
+    speeds = {}
+    for name, shape, r, calibrate in rows:
+        tps, frac = sampling_speed(shape, r, dtype, args.sample_batch, args.prompt_len, args.new_tokens, calibrate,
+                                   device)
+        speeds[name] = tps
+        extra = f", routed blocks ran {frac:.0%} of tokens" if frac is not None else ""
+        print(f"  {name:<14} {tps:9,.0f} tokens/s{extra}", flush=True)
+    for name in speeds:
+        if name != "dense" and "dense" in speeds:
+            print(f"  {name} / dense sampling speed: {speeds[name] / speeds['dense']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -681,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-size", type=positive_int, default=2048,
                         help="CPU: n of the n x n x n matmul timed once per round as the measured peak")
     parser.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
-                        help="CUDA: also time greedy KV-cache sampling of each variant (default on CUDA)")
+                        help="also time greedy KV-cache sampling of each variant (default: on CUDA; on CPU off, in "
+                             "float32 weights, after the steps)")
     parser.add_argument("--sample-batch", type=positive_int, default=1)
     parser.add_argument("--prompt-len", type=positive_int, default=32)
     parser.add_argument("--new-tokens", type=positive_int, default=128)
@@ -756,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                                       applied.kept), flush=True)
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants)
+    if args.sample:
+        print_sampling(args, variants, AMP_DTYPES.get(args.precision[0], torch.float32), "cpu")
     return 0
 
 

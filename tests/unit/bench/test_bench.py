@@ -84,6 +84,22 @@ def test_op_times_count_each_kernel_once_and_diff_sorts_by_difference():
     assert step.profile_diff({"gpt2": ops["gpt2"]}) == "(no dense variant profiled to compare against)"
 
 
+def test_cpu_sampling_speed_rows_are_megaroute_models_only(capsys, small_shape):
+    """--sample on CPU: tokens/s of each megaroute variant and of calibrated MoD, against dense. gpt2,
+    reference and the compiled twins get no row: sampling_speed builds megaroute's eager model, so
+    theirs would be dense's speed under another name."""
+    assert step.main(["--variants", "reference", "gpt2", "dense", "mod", "--steps", "1", "--warmup", "0",
+                      "--batch", "1", "--seq-len", "16", "--precision", "fp32", "--sample", "--prompt-len", "4",
+                      "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.split("greedy sampling with the KV cache (float32 weights")[1]
+    rows = [line.split()[0] for line in out.splitlines() if "tokens/s" in line]
+    assert rows == ["dense", "mod", "mod_calibrated"], out
+    assert "mod_calibrated / dense sampling speed: " in out and "; cpu)" in out
+    assert step.main(["--variants", "dense", "--steps", "1", "--warmup", "0", "--batch", "1", "--seq-len", "16",
+                      "--precision", "fp32"]) == 0
+    assert "greedy sampling" not in capsys.readouterr().out  # off by default on CPU
+
+
 def test_calibrated_sampling_runs_the_budget(small_shape):
     """Sampling with `calibrate` (the CUDA path's mod_calibrated row, here on CPU): the causal thresholds
     come from calibrate_thresholds, as before an evaluation, so the routed blocks run about the
