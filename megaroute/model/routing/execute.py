@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ...parallel import collectives
 from ..block import TransformerBlock
 from ..rope import Positions
 from . import dispatch, ragged
@@ -27,8 +28,8 @@ def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx:
                   weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
                   dispatcher: Dispatcher) -> torch.Tensor:
     """update_selected through the gather/combine dispatcher, every row padded to k."""
-    # k = 0 still runs the block (on no tokens, at no cost): a module skipped on one data-parallel
-    # rank only would leave ZeRO-3's parameter all-gathers out of step and hang the others.
+    if idx.shape[1] == 0 and may_skip_block():
+        return x
     delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
     return combine_padded(x, idx, weight, valid, delta, dispatcher=dispatcher)
 
@@ -46,6 +47,17 @@ def combine_padded(x: torch.Tensor, idx: torch.Tensor, weight: Optional[torch.Te
     return dispatcher.combine(x, idx, weight, delta)
 
 
+def may_skip_block() -> bool:
+    """Whether a routed layer whose selection is empty may skip its block altogether: without grad, in
+    one process. Otherwise k = 0 still runs the block (on no tokens, at no cost in FLOPs): a module
+    skipped on one rank only would leave ZeRO-3's parameter all-gathers and expert parallelism's
+    all-to-alls out of step and hang the others, and parameters must get their (zero) gradients. Run
+    on no rows, a block's ~100 ops cost as much as on one token: a one-token decoding step whose
+    token a routed layer skips (CPU; on a GPU such a step runs one padded row, dispatch.one_token_gpu_step)
+    paid for the block it skipped."""
+    return not torch.is_grad_enabled() and not collectives.is_distributed()
+
+
 def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
                     weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
                     dispatcher: Dispatcher) -> torch.Tensor:
@@ -53,6 +65,8 @@ def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, id
     if valid is None or pos.kv is not None:
         return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
     rows, counts = ragged.index_rows(idx, valid, x.shape[1])
+    if rows.shape[0] == 0 and may_skip_block():
+        return x
     return ragged.update_rows(block, x, pos, rows, counts, None if weight is None else weight[valid])
 
 
@@ -64,6 +78,8 @@ def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask
         weight = None if weight is None else weight.gather(1, idx)
         return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
     rows, counts = ragged.mask_rows(mask)
+    if rows.shape[0] == 0 and may_skip_block():
+        return x
     return ragged.update_rows(block, x, pos, rows, counts,
                               None if weight is None else weight.reshape(-1).index_select(0, rows))
 

@@ -43,6 +43,29 @@ def test_routed_out_tokens_write_no_keys(make_model):
     assert 0 < min(stored)
 
 
+def test_a_decoding_step_skips_the_block_of_a_routed_layer_that_selects_nothing(make_model):
+    """Without grad, in one process, a routed layer whose one-token step selects nothing returns x
+    without running its block on no rows (~100 ops that cost as much as one token's); with grad
+    (as a data-parallel rank must, for ZeRO-3's gathers) the block runs on no rows. Same logits."""
+    model, cfg = make_model("routing.method=mod", "routing.capacity=0.5")
+    model.eval()
+    x = torch.randint(0, 97, (1, TOTAL))
+    routed = [i for i in range(cfg.model.n_layers) if cfg.routing.is_routed(i)]
+    calls = []
+    for i in routed:
+        model.layers[i].block.attn.register_forward_hook(lambda *_, i=i: calls.append(i))
+    with torch.no_grad():
+        skipping, cache = _incremental(model, x, "causal")
+    ran, steps = len(calls), 1 + TOTAL - PROMPT
+    calls.clear()
+    with torch.enable_grad():
+        running, _ = _incremental(model, x, "causal")
+    assert len(calls) == len(routed) * steps  # every step ran every routed block, on no rows or more
+    stored = cache.stored_tokens()
+    assert len(routed) <= ran < len(routed) * steps and all(stored[i] < TOTAL for i in routed)
+    torch.testing.assert_close(skipping, running.detach())
+
+
 @torch.no_grad()
 def test_cache_refuses_what_it_cannot_do(make_model):
     model, _ = make_model("routing.method=mod")
