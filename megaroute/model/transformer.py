@@ -261,7 +261,7 @@ class Transformer(nn.Module):
         return parallel_argmax(self.lm_head(self.norm(h)), self.tp_group)
 
     def new_cache(self) -> KVCache:
-        return KVCache(len(self.layers))
+        return KVCache(len(self.layers), self.cfg.max_seq_len)
 
     def _check_cacheable(self, routing_mode: str, targets: Optional[torch.Tensor]) -> None:
         routed = any(not isinstance(layer, DenseLayer) for layer in self.layers)

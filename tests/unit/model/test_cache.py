@@ -133,3 +133,30 @@ def test_one_token_gpu_steps_decode_alike_without_a_sync(make_model, monkeypatch
     assert all(len(a) >= len(b) for a, b in zip(cache.layers, synced.layers))
     if method == "mod":  # capacity 0.5: some step skips a routed layer in all three rows
         assert any(len(a) > len(b) for a, b in zip(cache.layers, synced.layers))
+
+
+def test_layer_cache_appends_in_place_into_buffers_that_double():
+    """A decoding step writes its rows into the layer's buffers (twice the rows needed when they grow,
+    never past max_len) instead of concatenating every cached row anew; k / v / positions / valid are
+    views of the rows written, equal to the concatenation."""
+    from megaroute.model.cache import MIN_ROOM, LayerKV
+
+    layer = LayerKV(max_len=300)
+    ks, vs, pos = [], [], []
+    buffers = set()
+    for t in range(300):
+        k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+        p = torch.full((2, 1), t)
+        # a routed layer's appends (no start): positions and validity are stored too
+        layer.append(k, v, p, torch.tensor([[True], [t % 3 > 0]]), start=None)
+        ks.append(k), vs.append(v), pos.append(p)
+        buffers.add(layer._k.data_ptr())
+    assert len(layer) == 300 and layer._k.shape[2] == 300  # room for 64, 130, 262, then 300 (max_len) rows
+    assert len(buffers) == 4 and MIN_ROOM == 64
+    torch.testing.assert_close(layer.k, torch.cat(ks, dim=2))
+    torch.testing.assert_close(layer.v, torch.cat(vs, dim=2))
+    torch.testing.assert_close(layer.positions, torch.cat(pos, dim=1))
+    assert layer.valid[1].tolist() == [t % 3 > 0 for t in range(300)] and layer.valid[0].all()
+    layer.reorder(torch.tensor([1, 1]))
+    torch.testing.assert_close(layer.k, torch.cat(ks, dim=2)[[1, 1]])
+    assert layer.valid[0].tolist() == [t % 3 > 0 for t in range(300)]
