@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from ..kernels import cpu
 from ..kernels.backend import op_registered
@@ -308,8 +308,8 @@ class CausalSelfAttention(nn.Module):
             y = causal_attention(q, k, v) if self.fused else F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             mask, causal = pos.kv.append(k, v, pos.positions, pos.valid, pos.start)
-            with sdpa_kernel(CACHED_BACKENDS):
-                y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask, is_causal=causal)
+            # CACHED_BACKENDS: Transformer.forward selects them around its layers when it decodes
+            y = F.scaled_dot_product_attention(q, pos.kv.k, pos.kv.v, attn_mask=mask, is_causal=causal)
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # T may be 0
 
     def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

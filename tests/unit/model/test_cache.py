@@ -160,3 +160,25 @@ def test_layer_cache_appends_in_place_into_buffers_that_double():
     layer.reorder(torch.tensor([1, 1]))
     torch.testing.assert_close(layer.k, torch.cat(ks, dim=2)[[1, 1]])
     assert layer.valid[0].tolist() == [t % 3 > 0 for t in range(300)]
+
+
+@torch.no_grad()
+def test_cached_attention_runs_under_the_cached_sdpa_backends(make_model, monkeypatch):
+    """Transformer.forward selects attention.CACHED_BACKENDS (not cuDNN's, which plans anew for every key
+    length) once around its layers when it decodes, instead of each layer entering sdpa_kernel."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    from megaroute.model import attention
+
+    model, _ = make_model()
+    model.eval()
+    seen, sdpa = [], attention.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(set(_cur_sdpa_kernel_backends()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    _incremental(model, torch.randint(0, 97, (1, TOTAL)), "causal")
+    assert seen and all(backends == set(attention.CACHED_BACKENDS) for backends in seen)
+    assert set(_cur_sdpa_kernel_backends()) != set(attention.CACHED_BACKENDS)  # restored after the forward
