@@ -28,7 +28,7 @@ def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx:
                   weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
                   dispatcher: Dispatcher) -> torch.Tensor:
     """update_selected through the gather/combine dispatcher, every row padded to k."""
-    if idx.shape[1] == 0 and may_skip_block():
+    if idx.shape[1] == 0 and may_skip_block(block):
         return x
     delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
     return combine_padded(x, idx, weight, valid, delta, dispatcher=dispatcher)
@@ -47,15 +47,17 @@ def combine_padded(x: torch.Tensor, idx: torch.Tensor, weight: Optional[torch.Te
     return dispatcher.combine(x, idx, weight, delta)
 
 
-def may_skip_block() -> bool:
+def may_skip_block(block: TransformerBlock) -> bool:
     """Whether a routed layer whose selection is empty may skip its block altogether: without grad, in
-    one process. Otherwise k = 0 still runs the block (on no tokens, at no cost in FLOPs): a module
+    one process, parameters not partitioned by ZeRO-3 (`ds_id`: its hooks trace the modules each forward
+    runs, and prefetch by that trace). Otherwise k = 0 still runs the block (on no tokens, at no cost in FLOPs): a module
     skipped on one rank only would leave ZeRO-3's parameter all-gathers and expert parallelism's
     all-to-alls out of step and hang the others, and parameters must get their (zero) gradients. Run
     on no rows, a block's ~100 ops cost as much as on one token: a one-token decoding step whose
     token a routed layer skips (CPU; on a GPU such a step runs one padded row, dispatch.one_token_gpu_step)
     paid for the block it skipped."""
-    return not torch.is_grad_enabled() and not collectives.is_distributed()
+    return (not torch.is_grad_enabled() and not collectives.is_distributed()
+            and not hasattr(next(block.parameters()), "ds_id"))
 
 
 def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
@@ -65,7 +67,7 @@ def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, id
     if valid is None or pos.kv is not None:
         return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
     rows, counts = ragged.index_rows(idx, valid, x.shape[1])
-    if rows.shape[0] == 0 and may_skip_block():
+    if rows.shape[0] == 0 and may_skip_block(block):
         return x
     return ragged.update_rows(block, x, pos, rows, counts, None if weight is None else weight[valid])
 
@@ -78,7 +80,7 @@ def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask
         weight = None if weight is None else weight.gather(1, idx)
         return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
     rows, counts = ragged.mask_rows(mask)
-    if rows.shape[0] == 0 and may_skip_block():
+    if rows.shape[0] == 0 and may_skip_block(block):
         return x
     return ragged.update_rows(block, x, pos, rows, counts,
                               None if weight is None else weight.reshape(-1).index_select(0, rows))

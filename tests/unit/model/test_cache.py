@@ -45,8 +45,8 @@ def test_routed_out_tokens_write_no_keys(make_model):
 
 def test_a_decoding_step_skips_the_block_of_a_routed_layer_that_selects_nothing(make_model):
     """Without grad, in one process, a routed layer whose one-token step selects nothing returns x
-    without running its block on no rows (~100 ops that cost as much as one token's); with grad
-    (as a data-parallel rank must, for ZeRO-3's gathers) the block runs on no rows. Same logits."""
+    without running its block on no rows (~100 ops that cost as much as one token's); with grad, or
+    with ZeRO-3's partitioned parameters, the block runs on no rows. Same logits."""
     model, cfg = make_model("routing.method=mod", "routing.capacity=0.5")
     model.eval()
     x = torch.randint(0, 97, (1, TOTAL))
@@ -64,6 +64,12 @@ def test_a_decoding_step_skips_the_block_of_a_routed_layer_that_selects_nothing(
     stored = cache.stored_tokens()
     assert len(routed) <= ran < len(routed) * steps and all(stored[i] < TOTAL for i in routed)
     torch.testing.assert_close(skipping, running.detach())
+    for i in routed:  # parameters ZeRO-3 partitioned: its hooks trace every module a forward runs
+        next(model.layers[i].block.parameters()).ds_id = i
+    calls.clear()
+    with torch.no_grad():
+        _incremental(model, x, "causal")
+    assert len(calls) == len(routed) * steps
 
 
 @torch.no_grad()
