@@ -693,8 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-size", type=positive_int, default=2048,
                         help="CPU: n of the n x n x n matmul timed once per round as the measured peak")
     parser.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time greedy KV-cache sampling of each variant (default: on CUDA; on CPU off, in "
-                             "float32 weights, after the steps)")
+                        help="also time greedy KV-cache sampling of each variant, after the steps (default: on "
+                             "CUDA, off on CPU; weights in the first --precision's dtype)")
     parser.add_argument("--sample-batch", type=positive_int, default=1)
     parser.add_argument("--prompt-len", type=positive_int, default=32)
     parser.add_argument("--new-tokens", type=positive_int, default=128)

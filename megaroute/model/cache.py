@@ -126,7 +126,8 @@ class LayerKV:
         if self._k is not None:
             self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
             if not self.in_order:
-                self._positions, self._valid = self._positions.index_select(0, index), self._valid.index_select(0, index)
+                self._positions = self._positions.index_select(0, index)
+                self._valid = self._valid.index_select(0, index)
 
 
 def _rows(buffer: Optional[torch.Tensor], n: int, dim: int) -> Optional[torch.Tensor]:

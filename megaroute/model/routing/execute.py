@@ -49,13 +49,12 @@ def combine_padded(x: torch.Tensor, idx: torch.Tensor, weight: Optional[torch.Te
 
 def may_skip_block(block: TransformerBlock) -> bool:
     """Whether a routed layer whose selection is empty may skip its block altogether: without grad, in
-    one process, parameters not partitioned by ZeRO-3 (`ds_id`: its hooks trace the modules each forward
-    runs, and prefetch by that trace). Otherwise k = 0 still runs the block (on no tokens, at no cost in FLOPs): a module
-    skipped on one rank only would leave ZeRO-3's parameter all-gathers and expert parallelism's
-    all-to-alls out of step and hang the others, and parameters must get their (zero) gradients. Run
-    on no rows, a block's ~100 ops cost as much as on one token: a one-token decoding step whose
-    token a routed layer skips (CPU; on a GPU such a step runs one padded row, dispatch.one_token_gpu_step)
-    paid for the block it skipped."""
+    one process, its parameters not partitioned by ZeRO-3 (`ds_id`: its hooks trace the modules each
+    forward runs and prefetch by that trace). Otherwise k = 0 still runs the block, on no tokens: a
+    module skipped on one rank only would leave ZeRO-3's parameter all-gathers and expert parallelism's
+    all-to-alls out of step and hang the others, and parameters must get their (zero) gradients. On no
+    rows a block's ~100 ops cost what they cost on one token, so a one-token decoding step paid for the
+    block its token skipped (CPU; on a GPU such a step runs one padded row: dispatch.one_token_gpu_step)."""
     return (not torch.is_grad_enabled() and not collectives.is_distributed()
             and not hasattr(next(block.parameters()), "ds_id"))
 
