@@ -1,7 +1,7 @@
 """Routed savings on the clock: a hard-halting forward vs a dense forward at the same shape.
 
     python -m megaroute.bench.dispatch [--shapes nanogpt,char] [--fracs 1.0,0.8,0.5] [--repeats 15]
-                                       [--allocator keep|defaults]
+                                       [--methods halting,mod] [--allocator keep|defaults]
 
 Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
 with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
@@ -23,6 +23,12 @@ tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's cou
 for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
 interquartile range spans it.
+
+`--methods mod` adds causal MoD's inference forward (a router before every block, the ragged path of
+execute.update_selected), timed the same way against its own dense forward, decisions replaced by
+the same kind of masks, in a table of its own without a target. Its router and its own decision
+still run and the replaced decision is re-laid out (dispatch.mask_indices once more per layer), which
+real causal inference does not pay: if anything the line is against MoD.
 
 Each line also prints the median minor page faults of a dense and of a hard forward (allocator.py):
 a forward that faults in fresh pages (memory freed back to the OS, or a heap growing into pages never
@@ -119,15 +125,19 @@ def attention_flops(executed: list[torch.Tensor], d_model: int) -> int:
     return sum(4 * d_model * int((mask.sum(dim=1) ** 2).sum()) for mask in executed)
 
 
+# Routed models timed against dense: routing.method -> the forward mode whose ragged dispatch is timed
+METHODS = {"halting": "hard", "mod": "causal"}
+
+
 @torch.no_grad()
-def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -> list[dict]:
+def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, method: str = "halting") -> list[dict]:
     B, overrides = SHAPES[shape]
     base = load_config(None, overrides)
-    halting = load_config(None, [*overrides, "routing.method=halting", "routing.every=1",
-                                                "routing.offset=0"])
+    routed = load_config(None, [*overrides, f"routing.method={method}", "routing.every=1", "routing.offset=0"])
+    mode = METHODS[method]
     torch.manual_seed(0)
     dense_model = build_model(base.model, base.routing).eval()
-    hard_model = build_model(halting.model, halting.routing).eval()
+    hard_model = build_model(routed.model, routed.routing).eval()
     T, V = base.data.seq_len, base.model.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (B, T), generator=g)
@@ -140,7 +150,7 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2) -
         dense_model(tokens)
 
     def hard(m: dict[str, torch.Tensor]):
-        return lambda: hard_model(tokens, options=ForwardOptions(mode="hard", masks=m))
+        return lambda: hard_model(tokens, options=ForwardOptions(mode=mode, masks=m))
 
     for r in range(warmup):
         dense()
@@ -179,30 +189,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fracs", type=comma_list(unit_interval), default=[1.0, 0.8, 0.5],
                    help="executed fractions, comma-separated (default 1.0,0.8,0.5)")
     p.add_argument("--repeats", type=positive_int, default=15)
+    p.add_argument("--methods", type=comma_list(one_of(METHODS, "method")), default=["halting"],
+                   help="routed models, comma-separated: halting (hard mode; the target's), mod (causal)")
     allocator.add_option(p)
     args = p.parse_args(argv)
     applied = allocator.apply(args.allocator)
     print(applied.line)
     torch.set_num_threads(1)
-    print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {'hard fwd':>10} {'hard/dense':>10} "
+    for method in args.methods:
+        if method != "halting":
+            print(f"\n{method}, {METHODS[method]} mode (decisions replaced by the masks; no target):")
+        print_method(args, method, applied.kept)
+    return 0
+
+
+def print_method(args, method: str, kept: bool) -> None:
+    """The table of one routed method against dense: a line per shape, executed fraction and mask kind."""
+    mode = METHODS[method]  # hard (halting) or causal (MoD): the columns name it
+    print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {mode + ' fwd':>10} {mode + '/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8} {'faults/fwd':>13}")
     for s in args.shapes:
-        for r in bench_shape(s, args.fracs, args.repeats):
-            note = "" if r["frac"] != 0.8 else "  " + verdict(r["ratio"], TARGET, r["rounds"], met="OK",
-                                                             missed=f"ABOVE {TARGET} TARGET")
+        for r in bench_shape(s, args.fracs, args.repeats, method=method):
+            note = "" if r["frac"] != 0.8 or method != "halting" else "  " + verdict(
+                r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET")
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
                   f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
                   f"{r['ratio'] / r['flops_ratio']:>7.2f}x {r['dense_faults']:>6.0f}/{r['hard_faults']:<6.0f}"
-                  f"{note}{faulted(r['dense_faults'], r['hard_faults'], applied.kept)}")
-    return 0
+                  f"{note}{faulted(r['dense_faults'], r['hard_faults'], kept, mode)}")
 
 
-def faulted(dense_pages: float, hard_pages: float, kept: bool = True) -> str:
-    """The warning a line carries when a side's median forward faulted in allocator.FAULTED_PAGES or more."""
+def faulted(dense_pages: float, hard_pages: float, kept: bool = True, mode: str = "hard") -> str:
+    """The warning a line carries when a side's median forward faulted in allocator.FAULTED_PAGES or more
+    (`mode`: the routed side's forward, as the table names it)."""
     if max(dense_pages, hard_pages) < allocator.FAULTED_PAGES:
         return ""
-    return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, hard {hard_pages:.0f} pages a forward: fresh memory is "
+    return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, {mode} {hard_pages:.0f} pages a forward: fresh memory is "
             f"faulted in inside the timed forwards; {allocator.fault_remedy(kept)})")
 
 

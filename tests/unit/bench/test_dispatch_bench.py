@@ -106,3 +106,28 @@ def test_a_page_faulted_comparison_says_so():
     assert "PAGE-FAULTED (dense 17248, hard 3 pages a forward" in warning and "outgrew its" in warning
     assert faulted(17248, 3, kept=False).endswith("--allocator keep avoids it)")
     assert "hard 300 pages" in faulted(0, 300)
+
+
+def test_causal_mod_table_times_its_ragged_inference_without_a_target(capsys):
+    """--methods mod: causal MoD (a router before every block) against its own dense forward, with the
+    same masks replacing its decisions, in a table of its own: its columns say "causal", its lines
+    carry no verdict (the 0.88 target is hard halting's), and "vs FLOPs" is still time over FLOPs."""
+    from megaroute.bench.dispatch import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--shapes", "char", "--fracs", "0.8", "--repeats", "1", "--methods", "mod",
+                     "--allocator", "defaults"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "" and out[2].startswith("mod, causal mode") and "causal fwd" in out[3]
+    lines = [line for line in out if line.startswith("char")]
+    assert [line.split()[6:8] for line in lines] == [["80%", "even"], ["80%", "spread"]]
+    for line in lines:
+        fields = line.split()
+        ratio, flops, vs = float(fields[10]), float(fields[12]), float(fields[13].rstrip("x"))
+        assert vs == pytest.approx(ratio / flops, abs=0.005 + 0.0005 * (1 / flops + ratio / flops**2))
+        assert 0.7 < flops < 0.85  # the router is cheaper than halting's gate MLP: below its 0.814
+        assert "TARGET" not in line and " OK" not in line
+    assert "PAGE-FAULTED (dense 5, causal 300 pages" in faulted(5, 300, mode="causal")
