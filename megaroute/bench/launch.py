@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+from ..train.callbacks import METRICS_FILE
 from ..train.checkpoint import CHECKPOINTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,15 +31,16 @@ def clear_run(run_dir: str) -> None:
     """Removes what an earlier training of this benchmark run left that a fresh one would mix with: its
     metrics.jsonl (a run appends to it) and its checkpoints (a restart, checkpoint.resume=none, would set
     them aside, one copy per rerun). The benchmarks own these run directories."""
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        os.remove(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = os.path.join(run_dir, METRICS_FILE)
+    if os.path.exists(metrics):
+        os.remove(metrics)
     shutil.rmtree(os.path.join(run_dir, CHECKPOINTS), ignore_errors=True)
 
 
 def last_records(run_dir: str) -> dict[str, dict]:
     """The last record of each kind ("train", "eval", ...) in a run's metrics.jsonl."""
     last = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    with open(os.path.join(run_dir, METRICS_FILE)) as f:
         for line in f:
             record = json.loads(line)
             last[record["kind"]] = record

@@ -52,6 +52,7 @@ from ..model import build_model
 from ..model.routing import RoutingContext
 from ..model.routing.moe import MoEFFN, active_params
 from ..paths import dir_problem
+from ..train.callbacks import METRICS_FILE
 from .launch import REPO, clear_run, last_records, run_launcher
 
 COMPARED = ["char_dense", "char_mod", "char_moe", "char_mode_staged", "char_mode_integrated"]
@@ -134,7 +135,7 @@ def train(job: Job, runs_dir: str, threads: int, reuse: bool) -> dict:
     """Trains one job through the launcher (or keeps its finished run with --reuse) -> {"train": .., "eval": ..,
     "reused": bool}."""
     run_dir = os.path.join(runs_dir, job.run_name)
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, METRICS_FILE)
     if reuse and os.path.exists(metrics):
         last = last_records(run_dir)
         if last.get("eval", {}).get("step") == job.steps:

@@ -47,6 +47,7 @@ from ..model import ForwardOptions
 from ..model.routing import method_spec
 from ..model.routing.context import eval_modes
 from ..paths import dir_problem
+from ..train.callbacks import METRICS_FILE
 from ..train.loop import Evaluator
 from .launch import REPO, clear_run, last_records, run_launcher
 
@@ -101,7 +102,7 @@ def train(name: str, runs_dir: str, steps_scale: float, reuse: bool, threads: in
     cfg, run_dir = config(name), os.path.join(runs_dir, name)
     steps = steps_for(cfg, steps_scale)
     seconds_file = os.path.join(run_dir, "bench_train_seconds")
-    if reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and last_eval(run_dir)["step"] == steps:
+    if reuse and os.path.exists(os.path.join(run_dir, METRICS_FILE)) and last_eval(run_dir)["step"] == steps:
         seconds = None
         if os.path.exists(seconds_file):
             with open(seconds_file) as f:
