@@ -131,13 +131,15 @@ METHODS = {"halting": "hard", "mod": "causal"}
 
 @torch.no_grad()
 def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, method: str = "halting") -> list[dict]:
+    """A dict per (executed fraction, mask kind): the routed model's (`method`, in METHODS' mode) forward
+    against dense's; "hard_s" and "hard_faults" are the routed side's, whichever the mode."""
     B, overrides = SHAPES[shape]
     base = load_config(None, overrides)
     routed = load_config(None, [*overrides, f"routing.method={method}", "routing.every=1", "routing.offset=0"])
     mode = METHODS[method]
     torch.manual_seed(0)
     dense_model = build_model(base.model, base.routing).eval()
-    hard_model = build_model(routed.model, routed.routing).eval()
+    routed_model = build_model(routed.model, routed.routing).eval()
     T, V = base.data.seq_len, base.model.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (B, T), generator=g)
@@ -149,17 +151,17 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, m
     def dense():
         dense_model(tokens)
 
-    def hard(m: dict[str, torch.Tensor]):
-        return lambda: hard_model(tokens, options=ForwardOptions(mode=mode, masks=m))
+    def routed_forward(m: dict[str, torch.Tensor]):
+        return lambda: routed_model(tokens, options=ForwardOptions(mode=mode, masks=m))
 
     for r in range(warmup):
         dense()
         for c in cases:
-            hard(masks[c][r])()
+            routed_forward(masks[c][r])()
     times: dict = {name: [] for name in ("dense", *cases)}
     faults: dict = {name: [] for name in ("dense", *cases)}
     for r in range(repeats):  # interleaved: machine load drifts over all variants alike
-        fns = {"dense": dense, **{c: hard(masks[c][warmup + r]) for c in cases}}
+        fns = {"dense": dense, **{c: routed_forward(masks[c][warmup + r]) for c in cases}}
         for name in round_order(list(fns), r):
             seconds, pages = _cpu_time(fns[name])
             times[name].append(seconds)
@@ -171,7 +173,8 @@ def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, m
 
     def flops_ratio(case) -> float:  # the timed rounds' mean
         timed = masks[case][warmup:]
-        return statistics.fmean(_matmul_flops(hard(m)) + attention_flops(list(m.values()), d) for m in timed) / dense_flops
+        return statistics.fmean(_matmul_flops(routed_forward(m)) + attention_flops(list(m.values()), d)
+                                for m in timed) / dense_flops
 
     return [{"shape": f"{shape} ({base.model.n_layers}L d{base.model.d_model} T{T} B{B} V{V})", "frac": c[0],
              "masks": "spread" if c[1] else "even", "dense_s": dense_s, "hard_s": statistics.median(times[c]),
@@ -221,7 +224,8 @@ def print_method(args, method: str, kept: bool) -> None:
 
 def faulted(dense_pages: float, hard_pages: float, kept: bool = True, mode: str = "hard") -> str:
     """The warning a line carries when a side's median forward faulted in allocator.FAULTED_PAGES or more
-    (`mode`: the routed side's forward, as the table names it)."""
+    (`hard_pages`, `mode`: the routed side's, whichever mode the table times: the keys and names
+    predate causal MoD's table)."""
     if max(dense_pages, hard_pages) < allocator.FAULTED_PAGES:
         return ""
     return (f"  PAGE-FAULTED (dense {dense_pages:.0f}, {mode} {hard_pages:.0f} pages a forward: fresh memory is "
