@@ -43,9 +43,12 @@ from .backend import aten_required, op_registered
 
 # Rows of a GEMM beyond one bucket are padded (zero rows) to a multiple of this: oneDNN builds a
 # primitive per shape (0.3-1.6 ms each here), and ragged selections (hard halting, causal MoD) bring a
-# new row count to every layer of every batch. With fresh masks per forward, a hard-halting forward
-# took 1.17x dense's time at the char shape and 0.94x at nanoGPT's instead of 0.90x and 0.86x.
-ROW_BUCKET = 64
+# new row count to every layer of every batch. With fresh masks per forward and no bucket, a
+# hard-halting forward took 1.17x dense's time at the char shape and 0.94x at nanoGPT's. The bucket's
+# padding is work too: at 64 rows (~2% more rows at 80% executed) hard / dense was 0.875 at nanoGPT's
+# shape and 0.972 at the char shape, at 16 rows 0.865 and 0.963 (per-round medians, one process,
+# buckets interleaved round by round, 30 and 60 rounds, 1 thread).
+ROW_BUCKET = 16
 
 
 @functools.cache

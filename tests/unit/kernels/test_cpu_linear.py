@@ -181,11 +181,12 @@ def test_model_linears_and_head_use_onednn_unless_set_fused_false(gemm_calls):
         results.append((loss, grads, list(gemm_calls)))
     (loss, grads, calls), (ref_loss, ref_grads, ref_calls) = results
     assert not ref_calls
-    # qkv's forward in both blocks (block 0 dense over 2 x 15 rows, block 1 routed: its k tokens); the
-    # training forward's head inside the loss: logits, the gradient of h and of the weight (transposed),
-    # one chunk of 30 rows
+    # qkv's forward in both blocks (block 0 dense over 2 x 15 rows, padded to the row bucket; block 1
+    # routed: its k tokens); the training forward's head inside the loss: logits, the gradient of h and
+    # of the weight (transposed), one chunk of 30 rows
     qkv = sorted(rows for rows, inner, outputs in calls if (inner, outputs) == (32, 96))
-    assert len(qkv) == 2 and qkv[1] == 30 and 0 < qkv[0] < 30  # the routed block's on its k tokens
+    dense_rows = cpu_linear.bucket_rows(30, tokens.float())
+    assert len(qkv) == 2 and qkv[1] == dense_rows and 0 < qkv[0] < dense_rows  # the routed block's on its k tokens
     assert (30, 32, 64) in calls and (30, 64, 32) in calls and (32, 30, 64) in calls
     torch.testing.assert_close(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
