@@ -325,6 +325,37 @@ def test_fused_model_matches_reference(make_model, overrides, autocast, tol):
         assert err < tol, f"{name}: max |fused - reference| = {err:.2e} of max |grad|"
 
 
+@pytest.mark.parametrize("overrides", [(), ("routing.method=mod", "routing.capacity=0.5")])
+def test_inference_attention_in_place_matches_the_training_path(monkeypatch, make_model, overrides):
+    """float32 CPU inference runs RoPE in place on the qkv projection and attention on strided views of
+    it (CausalSelfAttention._attend_in_place): the same logits, bit for bit, as the autograd path the
+    same forward takes with grad, and the reference math's to float32 rounding; with grad it is not taken."""
+    if getattr(cpu_kernels.load(), "causal_attention_forward", None) is None:
+        pytest.skip("the CPU kernels (with oneDNN's float32 brgemm) are not built here")
+    model, cfg = make_model(*overrides)
+    model.eval()
+    calls = []
+    original = attention_mod.CausalSelfAttention._attend_in_place
+
+    def counted(self, qkv, cos, sin):
+        y = original(self, qkv, cos, sin)
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(attention_mod.CausalSelfAttention, "_attend_in_place", counted)
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        in_place = model(tokens).logits
+    assert calls and all(calls)
+    calls.clear()
+    trained = model(tokens).logits.detach()  # grad enabled: _SplitQKVRotary and _CausalAttentionF32
+    assert calls and not any(calls)
+    assert torch.equal(in_place, trained)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).set_fused(False)(tokens).logits
+    torch.testing.assert_close(in_place, reference, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("case", ["plain", "zero3", "deferred"])
 def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make_model, case):
     """return_logits=False fuses the head into the loss, also when a routed layer needs the final
