@@ -324,7 +324,8 @@ class CausalSelfAttention(nn.Module):
         took 0.2-1.2% less at nanoGPT's shape (8 x 256, d 384: 298.6 -> 297.9 and 295.3 -> 291.9 ms)
         and 2-4% less at the char shape (16 x 128, d 128: 39.7 -> 38.8, 38.8 -> 37.2 ms; two runs
         each, 1 thread, interleaved in one process). The values are the fused training path's, bit
-        for bit."""
+        for bit. A forward hook on `qkv` that keeps its output sees q and k rotated afterwards, as
+        forward_varlen's in-place RoPE already did."""
         B, T, _, H, Dh = qkv.shape
         if not (self.fused and qkv.dtype == torch.float32 and T > 0 and cos.shape == sin.shape == (B, 1, T, Dh // 2)) or (
                 torch.is_grad_enabled() and qkv.requires_grad):
