@@ -324,11 +324,10 @@ class CausalSelfAttention(nn.Module):
         took 0.2-1.2% less at nanoGPT's shape (8 x 256, d 384: 298.6 -> 297.9 and 295.3 -> 291.9 ms)
         and 2-4% less at the char shape (16 x 128, d 128: 39.7 -> 38.8, 38.8 -> 37.2 ms; two runs
         each, 1 thread, interleaved in one process). The values are the fused training path's, bit
-        for bit. A forward hook on `qkv` that keeps its output sees q and k rotated afterwards, as
-        forward_varlen's in-place RoPE already did."""
+        for bit. Not taken while a forward hook could hold the projection (_projection_is_private)."""
         B, T, _, H, Dh = qkv.shape
         if not (self.fused and qkv.dtype == torch.float32 and T > 0 and cos.shape == sin.shape == (B, 1, T, Dh // 2)) or (
-                torch.is_grad_enabled() and qkv.requires_grad):
+                torch.is_grad_enabled() and qkv.requires_grad) or not self._projection_is_private():
             return None
         kernels = cpu.usable(qkv, cos, sin)
         if kernels is None or not hasattr(kernels, "causal_attention_forward"):
@@ -336,6 +335,12 @@ class CausalSelfAttention(nn.Module):
         kernels.rotary_qkv_inplace(qkv, cos, sin)
         q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))
         return kernels.causal_attention_forward(q, k, v)[0]
+
+    def _projection_is_private(self) -> bool:
+        """Whether qkv's output belongs to this call alone, so that RoPE may rotate it in place: no
+        forward hook, on `qkv` or global, that could have kept it (an activation capture) or returned
+        a tensor its caller still holds. With one, the out-of-place path runs."""
+        return not (self.qkv._forward_hooks or nn.modules.module._global_forward_hooks)
 
     def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -358,7 +363,8 @@ class CausalSelfAttention(nn.Module):
         Without autograd (hard halting and causal MoD run at inference) the fused CPU kernels
         (kernels/cpu.py) take over: in float32, RoPE in place on the projected rows (q, k and v are
         views of them: no copies) and attention per (sequence, head) at its own length
-        (`varlen_attention_forward`: no layout, no padding); in bf16, they gather
+        (`varlen_attention_forward`: no layout, no padding); in bf16, or while a forward hook could
+        hold the projection (_projection_is_private), they gather
         and rotate q, k, v straight into the buckets and gather the outputs back in one pass each,
         instead of an index_select, RoPE, a cat and a second index_select.
         """
@@ -375,8 +381,9 @@ class CausalSelfAttention(nn.Module):
             kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
             if kernels is not None:
                 cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
-                if qkv.dtype == torch.float32 and hasattr(kernels, "varlen_attention_forward"):
-                    kernels.rotary_qkv_inplace(qkv.view(1, N, 3, H, Dh), cos, sin)  # qkv: this call's own
+                if (qkv.dtype == torch.float32 and hasattr(kernels, "varlen_attention_forward")
+                        and self._projection_is_private()):
+                    kernels.rotary_qkv_inplace(qkv.view(1, N, 3, H, Dh), cos, sin)
                     q, k, v = qkv.view(N, 3, H, Dh).unbind(1)
                     offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
                     return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))

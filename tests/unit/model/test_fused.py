@@ -356,6 +356,54 @@ def test_inference_attention_in_place_matches_the_training_path(monkeypatch, mak
     torch.testing.assert_close(in_place, reference, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("hook", ["on_qkv", "global"])
+@pytest.mark.parametrize("method", ["dense", "halting"])
+def test_a_forward_hook_keeps_the_qkv_projection_unrotated(make_model, method, hook):
+    """float32 CPU inference rotates q and k in place in the qkv projection (_attend_in_place, and
+    forward_varlen's varlen kernel in hard halting), which a forward hook keeping that output (an
+    activation capture) would see change afterwards. With a hook on `qkv`, or a global one, the
+    out-of-place paths run: each kept output equals the projection of its input, and the logits are
+    the unhooked forward's (dense: bit for bit, as the two paths are; hard halting's bucketed
+    fallback: to float32 rounding)."""
+    if getattr(cpu_kernels.load(), "causal_attention_forward", None) is None:
+        pytest.skip("the CPU kernels (with oneDNN's float32 brgemm) are not built here")
+    routed = ("routing.method=halting", "routing.every=1", "routing.offset=0") if method == "halting" else ()
+    model, cfg = make_model(*routed)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, 16), generator=g)
+    options = ForwardOptions()
+    if method == "halting":  # partial masks: the ragged path and forward_varlen
+        masks = {f"layer_{i}": torch.rand(3, 16, generator=g) < 0.7 for i in range(cfg.model.n_layers)}
+        assert all(0 < int(m.sum()) < m.numel() for m in masks.values())
+        options = ForwardOptions(mode="hard", masks=masks)
+    with torch.no_grad():
+        unhooked = model(tokens, options=options).logits
+    projections = {layer.block.attn.qkv for layer in model.layers}
+    kept = []
+
+    def keep(module, inputs, output):
+        if module in projections:
+            kept.append((module, inputs[0], output))
+
+    handles = ([module.register_forward_hook(keep) for module in projections] if hook == "on_qkv"
+               else [torch.nn.modules.module.register_module_forward_hook(keep)])
+    try:
+        with torch.no_grad():
+            hooked = model(tokens, options=options).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(kept) == cfg.model.n_layers
+    with torch.no_grad():
+        for module, inputs, output in kept:
+            assert torch.equal(output, module.forward(inputs))
+    if method == "dense":
+        assert torch.equal(hooked, unhooked)
+    else:
+        torch.testing.assert_close(hooked, unhooked, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["plain", "zero3", "deferred"])
 def test_head_runs_inside_the_loss_only_where_nothing_else_reads_the_logits(make_model, case):
     """return_logits=False fuses the head into the loss, also when a routed layer needs the final
