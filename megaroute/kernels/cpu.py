@@ -4,6 +4,8 @@
     rotary_qkv_forward / _backward        used by model/rope.py's _SplitQKVRotary
     rms_norm_forward / rms_norm_backward  used by model/norm.py's _RMSNormFunction
     rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
+    rows_add                              model/routing/ragged.py's combine without autograd (x copied
+                                          and the update added to the selected rows in one pass)
     causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
                                           (built where torch's headers declare the float32 brgemm);
                                           under torch.compile the registered ops

@@ -8,6 +8,8 @@
 //   rms_norm_forward / rms_norm_backward norm._RMSNormFunction
 //   rotary_qkv_scatter / gather_heads    attention.forward_varlen without autograd: the padding
 //                                        gather fused with RoPE, and the unpadding
+//   rows_add                             ragged.update_rows without autograd: the update added back
+//                                        to the selected rows while x is copied, one pass
 //   causal_attention_forward / _backward float32 causal attention per head through oneDNN's brgemm
 //                                        (attention._CausalAttentionF32; see its section below)
 //   varlen_attention_forward             the same forward per (sequence, head) of rows laid end to
@@ -395,6 +397,74 @@ at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& buc
           std::copy(head, head + Dh, o + (r * H + hh) * Dh);
         }
       }
+    });
+  });
+  return out;
+}
+
+// --------------------------------------------------------------------------------- ragged combine
+
+// out = x;  out[rows[j]] += weight[j] * delta[j] (weight absent: 1), each sum in float32 and rounded
+// once to x's dtype, as ragged.update_rows' index_add does it. One pass over x's rows, where
+// x.index_add makes two (a copy of x, then the selected rows once more); rows strictly ascending,
+// so each chunk of output rows finds its first selected row by binary search.
+template <typename X, typename T>
+void rows_add_kernel(const X* x, const int64_t* rows, const T* delta, const float* weight, X* out,
+                     int64_t R, int64_t n, int64_t D) {
+  at::parallel_for(0, R, grain(D), [&](int64_t begin, int64_t end) {
+    int64_t j = std::lower_bound(rows, rows + n, begin) - rows;
+    for (int64_t i = begin; i < end; ++i) {
+      const X* src = x + i * D;
+      X* dst = out + i * D;
+      if (j == n || rows[j] != i) {
+        std::copy(src, src + D, dst);
+        continue;
+      }
+      const T* d = delta + j * D;
+      for (int64_t c = 0; c < D; c += kStep) {
+        const int64_t m = std::min(kStep, D - c);
+        fVec xa, xb, da, db;
+        load(src + c, m, xa, xb);
+        load(d + c, m, da, db);
+        if (weight != nullptr) {  // the product rounded to float32 first, as the eager update is
+          const fVec w(weight[j]);
+          da = w * da;
+          db = w * db;
+        }
+        store(dst + c, m, xa + da, xb + db);
+      }
+      ++j;
+    }
+  });
+}
+
+at::Tensor rows_add(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& delta,
+                    const c10::optional<at::Tensor>& weight) {
+  check_cpu(x, "x");
+  check_cpu(delta, "delta");
+  TORCH_CHECK(x.dim() == 2 && delta.dim() == 2 && delta.size(1) == x.size(1),
+              "rows_add: x must be [R, D] and delta [n, D], got ", x.sizes(), " and ", delta.sizes());
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == delta.size(0),
+              "rows_add: rows must be a contiguous CPU int64 [n], one per delta row");
+  const int64_t R = x.size(0), n = rows.size(0), D = x.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < R && (j == 0 || r[j] > r[j - 1]),
+                "rows_add: rows must be strictly ascending row indices of x's ", R, " rows");
+  const float* w = nullptr;
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->device().is_cpu() && weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
+                    weight->numel() == n,
+                "rows_add: weight must be a contiguous CPU float32 [n]");
+    w = weight->data_ptr<float>();
+  }
+  at::Tensor out = at::empty_like(x);
+  dispatch(x.scalar_type(), [&](auto x_tag) {
+    using X = decltype(x_tag);
+    dispatch(delta.scalar_type(), [&](auto d_tag) {
+      using T = decltype(d_tag);
+      rows_add_kernel<X, T>(x.data_ptr<X>(), r, delta.data_ptr<T>(), w, out.data_ptr<X>(), R, n, D);
     });
   });
   return out;
@@ -857,6 +927,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qkv_backward", &rotary_qkv_backward, "(dq, dk, dv, cos, -sin) -> grad of qkv");
   m.def("rotary_qkv_scatter", &rotary_qkv_scatter, "varlen: qkv rows -> rotated q, k, v in padded buckets");
   m.def("gather_heads", &gather_heads, "varlen: padded bucket outputs -> [N, H, Dh] rows");
+  m.def("rows_add", &rows_add, py::arg("x"), py::arg("rows"), py::arg("delta"), py::arg("weight") = py::none(),
+        "ragged combine: x [R, D] with weight[j] * delta[j] added to row rows[j] (ascending), one pass");
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   m.def("causal_attention_forward", &causal_attention_forward, "float32 q, k, v [B, H, T, Dh] -> (out, logsumexp)");
   m.def("causal_attention_backward", &causal_attention_backward, "(grad, q, k, v, out, lse) -> (dq, dk, dv)");

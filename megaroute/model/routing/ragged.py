@@ -19,6 +19,8 @@ projections are gone. Padding rows repeat a real row and follow the real ones, s
 attends to them and their outputs are dropped. In float32 on CPU the flat rows are likewise padded
 to a multiple of the linears' row bucket (kernels/cpu_linear.py: oneDNN builds a primitive per row
 count, and every batch brings new counts), as one extra sequence of the last real row repeated.
+Without autograd on CPU the update goes back in one pass over x (the kernels' rows_add), where
+index_add copies x and then passes over the selected rows again.
 
 tests/unit/model/routing/test_ragged.py holds this path equal to the padded one, forward and
 backward, and forward_varlen equal to attention over each sequence alone. Incremental decoding (a
@@ -32,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from ...kernels import cpu_linear
+from ...kernels import cpu, cpu_linear
 from ..block import TransformerBlock
 from ..rope import Positions
 
@@ -55,6 +57,23 @@ def _table_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     gathers (hard / dense at 80%, per-round medians in one process: char 0.954 -> 0.942, nanoGPT
     0.873 -> 0.872; bit-identical)."""
     return table.reshape(-1, table.shape[-1]).index_select(0, rows).view(rows.shape[0], 1, 1, table.shape[-1])
+
+
+def _combine_kernels(flat: torch.Tensor, delta: torch.Tensor, weight: Optional[torch.Tensor]):
+    """The CPU kernels when they can add the update back (`rows_add`: x copied and the selected rows
+    updated in one pass, where index_add copies x and then passes over those rows again): no autograd,
+    float32 / bf16 CPU x and delta, weight None or float32; else None (the index_add below). Hard /
+    dense at 80% executed, per-round medians in one process (1 thread, the two combines alternating):
+    nanoGPT's shape 0.879 -> 0.876 (40 rounds), the char shape 0.980 -> 0.972 (80); causal MoD at
+    nanoGPT's shape 0.868 -> 0.866 (30); the logits bit for bit the same."""
+    tensors = [t for t in (flat, delta, weight) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if weight is not None and not (weight.dtype == torch.float32 and weight.device.type == "cpu"
+                                   and weight.is_contiguous()):
+        return None
+    kernels = cpu.usable(flat) and cpu.usable(delta)
+    return kernels if kernels and hasattr(kernels, "rows_add") else None
 
 
 def _update(block: TransformerBlock, lengths: list[int], x: torch.Tensor, cos: torch.Tensor,
@@ -87,6 +106,9 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
         cos, sin = (_table_rows(t, rows) for t in (pos.cos, pos.sin))
         delta = block.recomputed(partial(_update, block, lengths), flat.index_select(0, rows), cos, sin)
         rows, delta = rows[:n], delta[:n]
+    kernels = None if every else _combine_kernels(flat, delta, weight)
+    if kernels is not None:
+        return kernels.rows_add(flat, rows, delta, weight).view(B, T, D)
     acc = torch.promote_types(torch.float32, torch.promote_types(x.dtype, delta.dtype))
     if weight is not None:
         acc = torch.promote_types(acc, weight.dtype)

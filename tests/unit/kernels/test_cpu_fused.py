@@ -120,6 +120,39 @@ def test_rms_norm_matches_float32_reference(kernels, x_dtype, w_dtype, rows, D):
     torch.testing.assert_close(gw.float(), ref_gw, rtol=wtol, atol=wtol * max(1.0, ref_gw.abs().max().item()))
 
 
+@pytest.mark.parametrize("x_dtype,delta_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("R,n,D", [(7, 3, 5), (400, 170, 200), (9, 0, 16), (6, 6, 40), (1, 1, 33)])
+def test_rows_add_matches_index_add(kernels, x_dtype, delta_dtype, weighted, R, n, D):
+    """ragged.update_rows' combine: x with weight * delta added to the selected rows, each sum in float32
+    rounded once to x's dtype, bit for bit as the index_add it replaces; no rows, every row, the first
+    and the last, and rows split over two threads' chunks (400 rows of 200: chunks of 163)."""
+    g = torch.Generator().manual_seed(R * 1000 + n)
+    x = torch.randn(R, D, generator=g).to(x_dtype)
+    rows = torch.randperm(R, generator=g)[:n].sort().values
+    if 1 < n < R:
+        rows[0], rows[-1] = 0, R - 1
+        rows = rows.unique()
+    delta = torch.randn(rows.numel(), D, generator=g).to(delta_dtype)
+    weight = torch.rand(rows.numel(), generator=g) if weighted else None
+    update = delta.float() if weight is None else weight.unsqueeze(-1) * delta.float()
+    expected = x.float().index_add(0, rows, update).to(x_dtype)
+    out = kernels.rows_add(x, rows, delta, weight)
+    assert out.dtype == x_dtype and torch.equal(out, expected)
+
+
+def test_rows_add_refuses_rows_out_of_order_or_range(kernels):
+    x, delta = torch.randn(8, 4), torch.randn(3, 4)
+    for rows in ([1, 1, 2], [3, 2, 5], [0, 2, 8], [-1, 2, 3]):
+        with pytest.raises(RuntimeError, match="strictly ascending"):
+            kernels.rows_add(x, torch.tensor(rows), delta)
+    with pytest.raises(RuntimeError, match="one per delta row"):
+        kernels.rows_add(x, torch.tensor([0, 1]), delta)
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rows_add(x, torch.tensor([0, 1, 2]), delta, torch.ones(3, dtype=torch.float64))
+
+
 def _eager_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor):
     """lm_loss's eager tile loop, which the kernel replaces: per-row losses and (softmax - onehot) * keep
     in logits' dtype."""

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from megaroute.config import ModelConfig
-from megaroute.kernels import cpu_linear
+from megaroute.kernels import cpu, cpu_linear
 from megaroute.model.attention import BucketLayout, CausalSelfAttention, _length_buckets
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
-from megaroute.model.routing import dispatch
+from megaroute.model.routing import dispatch, ragged
 from megaroute.model.routing.dispatch import Dispatcher
 from megaroute.model.routing.execute import update_masked, update_padded, update_selected
 
@@ -127,6 +127,39 @@ def test_ragged_float32_pads_its_rows_to_the_linears_row_bucket(monkeypatch, gra
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert -(-n // 8) * 8 in forward  # the projections ran on the padded rows (and backward, with grad)
     assert ragged_calls and all(rows % 8 == 0 for rows in ragged_calls)  # no linear had rows left to pad
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_inference_combine_runs_the_one_pass_kernel_bit_for_bit(monkeypatch, weighted):
+    """Without autograd on CPU the update goes back through the kernels' rows_add (ragged._combine_kernels),
+    with the same values, bit for bit, as the index_add that autograd still takes."""
+    kernels = cpu.load()
+    if kernels is None:
+        pytest.skip(f"no fused CPU kernels here: {cpu.unavailable_reason()}")
+    block, pos = _setup(seed=4)
+    block.float().eval()
+    mask = _masks(7)[0]
+    rows, counts = ragged.mask_rows(mask)
+    x = torch.randn(B, T, 32)
+    weight = torch.rand(rows.shape[0]) if weighted else None
+    real, calls = ragged._combine_kernels, []
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(ragged, "_combine_kernels", spy)
+    with torch.no_grad():
+        fused = ragged.update_rows(block, x, pos, rows, counts, weight)
+    assert calls and calls[-1] is kernels
+    monkeypatch.setattr(ragged, "_combine_kernels", lambda *args: None)
+    with torch.no_grad():
+        eager = ragged.update_rows(block, x, pos, rows, counts, weight)
+    assert torch.equal(fused, eager)
+    monkeypatch.setattr(ragged, "_combine_kernels", spy)
+    trained = ragged.update_rows(block, x.requires_grad_(), pos, rows, counts, weight)
+    assert calls[-1] is None and trained.requires_grad  # autograd keeps index_add
+    torch.testing.assert_close(trained.detach(), fused, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- varlen attention (attention.py)
