@@ -63,9 +63,9 @@ def _combine_kernels(flat: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor
     """The CPU kernels when they can add the update back (`rows_add`: x copied and the selected rows
     updated in one pass, where index_add copies x and then passes over those rows again): no autograd,
     float32 / bf16 CPU x and delta, contiguous int64 rows, weight None or float32; else None (the
-    index_add below). Hard / dense at 80% executed, per-round medians in one process (1 thread, the two combines alternating):
-    nanoGPT's shape 0.879 -> 0.876 (40 rounds), the char shape 0.980 -> 0.972 (80); causal MoD at
-    nanoGPT's shape 0.868 -> 0.866 (30); the logits bit for bit the same."""
+    index_add below). Hard / dense at 80% executed, per-round medians in one process (1 thread, the
+    two combines alternating): nanoGPT's shape 0.879 -> 0.876 (40 rounds), the char shape 0.980 ->
+    0.972 (80); causal MoD at nanoGPT's shape 0.868 -> 0.866 (30); the logits bit for bit the same."""
     tensors = [t for t in (flat, delta, weight) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
