@@ -37,25 +37,51 @@ def _acc(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+def flat_rows(idx: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """idx [B, k] positions -> [B * k] row indices b * seq_len + idx[b, j] of the flat [B * T, D] view."""
+    return (idx + torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * seq_len).reshape(-1)
+
+
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     # Whole rows of the flat [B * T, D] view (index_select): x.gather(1, idx expanded over D)'s values
     # and gradient, without CPU's element-wise gather kernel that reads the index for every element
     # (MoD's gather at nanoGPT's shape, 8 x 256 x 384, k = 32, 2 threads: forward 55 -> 14 us,
     # forward + backward 179 -> 96 us). Its backward saves only the index, as gather's does.
     B, T, D = x.shape
-    rows = (idx + torch.arange(B, device=idx.device).unsqueeze(1) * T).reshape(-1)
-    return x.reshape(B * T, D).index_select(0, rows).view(B, idx.shape[1], D)
+    return x.reshape(B * T, D).index_select(0, flat_rows(idx, T)).view(B, idx.shape[1], D)
 
 
 def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    acc = _acc(x, g, delta)
-    update = g.to(acc).unsqueeze(-1) * delta.to(acc)
-    # scatter_add's backward passes grad_out straight through to x (no copy) and saves only the
-    # index (index_add's would also keep `update`: a float32 [B, k, D] per routed layer, ~5% more
-    # activation memory at capacity 0.5); the upcast is a no-op for float32 x and keeps 16-bit x to
-    # a single rounding.
-    out = x.to(acc).scatter_add(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), update)
-    return out.to(x.dtype)
+    return _Combine.apply(x, flat_rows(idx, x.shape[1]), g, delta)
+
+
+class _Combine(torch.autograd.Function):
+    """combine on whole rows of the flat [B * T, D] view: x.to(acc).scatter_add(1, idx expanded over D,
+    g * delta)'s values and gradients (the upcast is a no-op for float32 x and keeps 16-bit x to a
+    single rounding). x's gradient is grad_out itself (no copy), as scatter_add's; g's and delta's
+    read grad_out's selected rows with index_select, where scatter_add's backward ran CPU's element-wise
+    gather (95 us for MoD's [8, 32, 384] at nanoGPT's shape, bf16 training). It saves the index, g and
+    delta, where autograd's product saved a float32 copy of delta."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        acc = _acc(x, g, delta)
+        update = (g.to(acc).unsqueeze(-1) * delta.to(acc)).reshape(-1, D)
+        ctx.save_for_backward(rows, g, delta)
+        ctx.dtypes = acc, x.dtype
+        return x.reshape(B * T, D).to(acc).index_add(0, rows, update).to(x.dtype).view(B, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, g, delta = ctx.saved_tensors
+        acc, x_dtype = ctx.dtypes
+        grad = grad_out.to(acc)
+        picked = grad.reshape(-1, grad.shape[-1]).index_select(0, rows).view(delta.shape)
+        grad_x = grad.to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_g = (picked * delta.to(acc)).sum(-1).to(g.dtype) if ctx.needs_input_grad[2] else None
+        grad_delta = (picked * g.to(acc).unsqueeze(-1)).to(delta.dtype) if ctx.needs_input_grad[3] else None
+        return grad_x, None, grad_g, grad_delta
 
 
 def path_slots(full: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import check_backend, resolve
+from ...kernels import check_backend, reference, resolve
 
 
 def capacity_k(seq_len: int, capacity: float) -> int:
@@ -83,6 +83,10 @@ class Dispatcher:
 
     def __repr__(self) -> str:
         return f"Dispatcher({self.backend!r})"
+
+    def runs_reference(self, device: torch.device) -> bool:
+        """Whether tensors on `device` get the pure-PyTorch reference (no fused kernels)."""
+        return resolve(self.backend, device) is reference
 
     def gather(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return resolve(self.backend, x.device).gather(x, idx)

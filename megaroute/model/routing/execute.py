@@ -26,11 +26,12 @@ from .dispatch import Dispatcher
 
 def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
                   weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
-                  dispatcher: Dispatcher) -> torch.Tensor:
-    """update_selected through the gather/combine dispatcher, every row padded to k."""
+                  dispatcher: Dispatcher, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """update_selected through the gather/combine dispatcher, every row padded to k; `rows`: x's
+    selected rows [B, k, D] when the caller gathered them already (MoD's router, mod.Router)."""
     if idx.shape[1] == 0 and may_skip_block(block):
         return x
-    delta = block.update(dispatcher.gather(x, idx), pos.select(idx, valid))
+    delta = block.update(dispatcher.gather(x, idx) if rows is None else rows, pos.select(idx, valid))
     return combine_padded(x, idx, weight, valid, delta, dispatcher=dispatcher)
 
 
@@ -61,10 +62,13 @@ def may_skip_block(block: TransformerBlock) -> bool:
 
 def update_selected(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx: torch.Tensor,
                     weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
-                    dispatcher: Dispatcher) -> torch.Tensor:
-    """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None."""
+                    dispatcher: Dispatcher, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """idx [B, k] ascending (padding after the real rows); weight [B, k] (None = 1); valid [B, k] or None;
+    rows: x's selected rows [B, k, D] if already gathered (fixed-k selections only: valid None)."""
+    if rows is not None and valid is not None:
+        raise ValueError("update_selected: pre-gathered rows are for fixed-k selections (valid None)")
     if valid is None or pos.kv is not None:
-        return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
+        return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher, rows=rows)
     rows, counts = ragged.index_rows(idx, valid, x.shape[1])
     if rows.shape[0] == 0 and may_skip_block(block):
         return x

@@ -45,11 +45,74 @@ class Router(nn.Linear):
     Transformer's selective precision): top-k then ranks float32 logits of the float32 residual
     stream, not bf16-rounded ones (fewer ties). A matrix-vector product is bandwidth-bound, so this
     is also cheaper: no bf16 copy of x in forward, and x's gradient comes out in float32 rather than
-    cast back (a bf16 MoD training step at nanoGPT's shape: 1.3% faster, 2 threads)."""
+    cast back (a bf16 MoD training step at nanoGPT's shape: 1.3% faster, 2 threads).
+
+    `fused` (Transformer.set_fused): MoD's training layer may run the router, its top-k and the
+    gather of the selected rows as one autograd node (_RouteTopkGather) where `gathers(x)` says so.
+    """
+
+    fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def gathers(self, x: torch.Tensor) -> bool:
+        """Whether MoD's training layer may take the router's logits of x from _RouteTopkGather rather
+        than from a call of this module: `fused`, no bias, float32 x (the routers' own precision in
+        training) with autograd, outside torch.compile (inductor fuses the plain ops itself), and a call
+        would be exactly this forward, unobserved: no hook on the router or global (an activation
+        capture, ZeRO-3's parameter fetch), no forward patched onto the instance or overridden by a
+        subclass, parameters not partitioned by ZeRO-3 (ds_id)."""
+        module = nn.modules.module
+        return (self.fused and self.bias is None and x.dtype == self.weight.dtype == torch.float32
+                and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and not (self._forward_hooks or self._forward_pre_hooks or module._global_forward_hooks
+                         or module._global_forward_pre_hooks)
+                and "forward" not in vars(self) and type(self).forward is Router.forward
+                and not hasattr(self.weight, "ds_id"))
+
+
+class _RouteTopkGather(torch.autograd.Function):
+    """MoD's router, its top-k and the gather as one autograd node: (x [B, T, D], w [1, D], k) ->
+    (logits = x @ w^T [B, T], idx = their top-k per sequence [B, k] ascending, the selected rows of x
+    [B, k, D], x itself (a view) for the combine). Backward gets the three gradients
+    that reach x at once: grad_x = (the combine's) + logits' grad (outer) w + the selected rows' grad,
+    one addr pass and an index_add into it, where autograd added three full [B, T, D] tensors (an
+    outer-product GEMM, a zero fill, two additions: ~0.3 ms a layer of a bf16 MoD step at nanoGPT's
+    shape). The values of logits, idx and the rows are F.linear's, topk's and index_select's;
+    w's gradient is F.linear's GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, k: int):
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        with torch.autocast(x.device.type, enabled=False):  # float32 logits, as Router.forward's
+            logits = F.linear(flat, weight).view(B, T)
+        idx = dispatch.topk_indices(logits, k)
+        rows = (idx + torch.arange(B, device=idx.device).unsqueeze(1) * T).reshape(-1)
+        ctx.save_for_backward(x, weight, rows)
+        ctx.mark_non_differentiable(idx)
+        return logits, idx, flat.index_select(0, rows).view(B, k, D), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_logits, _grad_idx, grad_rows, grad_x):
+        x, weight, rows = ctx.saved_tensors
+        B, T, D = x.shape
+        grad = None if grad_x is None else grad_x.reshape(B * T, D)
+        owned, grad_weight = False, None  # owned: grad is a fresh tensor (grad_x is not ours to change)
+        with torch.autocast(x.device.type, enabled=False):  # a backward inside autocast: still float32
+            if grad_logits is not None:
+                g = grad_logits.reshape(B * T)
+                grad, owned = torch.outer(g, weight[0]) if grad is None else torch.addr(grad, g, weight[0]), True
+                if ctx.needs_input_grad[1]:
+                    grad_weight = g.unsqueeze(0).mm(x.reshape(B * T, D))
+        if grad_rows is not None:
+            if grad is None:
+                grad, owned = x.new_zeros(B * T, D), True
+            add = grad.index_add_ if owned else grad.index_add
+            grad = add(0, rows, grad_rows.reshape(-1, D))
+        return None if grad is None else grad.view(B, T, D), grad_weight, None
 
 
 class CausalPredictor(nn.Module):
@@ -96,8 +159,9 @@ class MoDLayer(nn.Module):
         """The layer in "topk" mode without audit hooks, as one pure function of its inputs (and the
         threshold's running update) that torch.compile traces whole: -> (output, the causal decider's
         (loss, agreement), the statistics _report logs)."""
-        idx, logits, decider = self._topk(x)
-        out = update_selected(self.block, x, pos, idx, self.weight_fn(logits.gather(1, idx)), dispatcher=self.dispatcher)
+        idx, logits, decider, rows, x = self._topk(x, gather=self.dispatcher.runs_reference(x.device))
+        out = update_selected(self.block, x, pos, idx, self.weight_fn(logits.gather(1, idx)), dispatcher=self.dispatcher,
+                              rows=rows)
         return out, decider, self._statistics(idx, None, logits)
 
     def select(self, x: torch.Tensor, ctx: RoutingContext, name: str):
@@ -106,7 +170,7 @@ class MoDLayer(nn.Module):
         T = x.shape[1]
         decider = None
         if not ctx.causal:
-            idx, logits, decider = self._topk(x)
+            idx, logits, decider, _, _ = self._topk(x)
             valid = None
         else:
             logits = self.router(x).squeeze(-1)
@@ -118,21 +182,27 @@ class MoDLayer(nn.Module):
         self._report(ctx, name, decider, self._statistics(idx, valid, logits))
         return idx, valid, self.weight_fn(logits.gather(1, idx))
 
-    def _topk(self, x: torch.Tensor):
+    def _topk(self, x: torch.Tensor, gather: bool = False):
         """Training-time decision: -> (idx [B, k] ascending, router logits [B, T], (the causal decider's
-        BCE toward top-k membership, its agreement with the threshold)); moves the threshold."""
+        BCE toward top-k membership, its agreement with the threshold), the selected rows of x [B, k, D]
+        or None, x for the combine); moves the threshold. `gather`: the rows are gathered with the router
+        and the top-k as one autograd node where Router.gathers allows (else rows is None: the
+        layer's dispatcher gathers them)."""
         T = x.shape[1]
-        logits = self.router(x).squeeze(-1)
-        causal = self.causal_logits(x, logits)
         k = dispatch.capacity_k(T, self.capacity)
-        idx = dispatch.topk_indices(logits, k)
+        if gather and self.router.gathers(x):
+            logits, idx, rows, routed = _RouteTopkGather.apply(x, self.router.weight, k)
+        else:
+            logits = self.router(x).squeeze(-1)
+            idx, rows, routed = dispatch.topk_indices(logits, k), None, x
+        causal = self.causal_logits(x, logits)
         selected = dispatch.indices_to_mask(idx, T)
         scores = logits if self.predictor is None else causal
         bce = F.binary_cross_entropy_with_logits(scores.float(), selected.float())
         agreement = (self.cut(causal) == selected).float().mean()
         if self.training and torch.is_grad_enabled():
             self.cut.update(causal, k / T)
-        return idx, logits, (bce, agreement)
+        return idx, logits, (bce, agreement), rows, routed
 
     @staticmethod
     def _statistics(idx: torch.Tensor, valid, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:

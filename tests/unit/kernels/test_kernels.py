@@ -365,6 +365,34 @@ def test_reference_gather_is_the_elementwise_gather_bit_for_bit(B, T, D, k, dtyp
     assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(got_grad, want_grad)
 
 
+@pytest.mark.parametrize("x_dtype,g_dtype,delta_dtype", [
+    (torch.float32, torch.float32, torch.float32), (torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32), (torch.float64, torch.float32, torch.float32)])
+@pytest.mark.parametrize("B,T,D,k", [*SHAPES, (8, 64, 48, 8)])
+def test_reference_combine_is_the_scatter_add_bit_for_bit(B, T, D, k, x_dtype, g_dtype, delta_dtype):
+    """ref.combine adds g * delta into rows of the flat [B * T, D] view (index_add forward, index_select
+    backward): it must equal scatter_add along dim 1 with an expanded index in the accumulation dtype,
+    values and every gradient, bit for bit, x contiguous or not."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(B, T, generator=gen).topk(k, dim=1).indices.sort(dim=1).values
+    x = torch.randn(B, D, T, generator=gen).to(x_dtype).transpose(1, 2)  # strided
+    g = torch.randn(B, k, generator=gen).to(g_dtype)
+    delta = torch.randn(B, k, D, generator=gen).to(delta_dtype)
+    grad_out = torch.randn(B, T, D, generator=gen).to(x_dtype)
+
+    def scatter_add(x, g, delta):
+        acc = torch.promote_types(torch.float32, torch.promote_types(x.dtype, torch.promote_types(g.dtype, delta.dtype)))
+        update = g.to(acc).unsqueeze(-1) * delta.to(acc)
+        return x.to(acc).scatter_add(1, idx.unsqueeze(-1).expand(-1, -1, D), update).to(x.dtype)
+
+    got, got_grads = _run(lambda x, g, d: ref.combine(x, idx, g, d), [x, g, delta], grad_out)
+    want, want_grads = _run(scatter_add, [x, g, delta], grad_out)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 # -------------------------------------------------------------------------- input checks, backend
 
 

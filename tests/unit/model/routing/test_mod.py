@@ -539,3 +539,97 @@ def test_router_scores_in_the_residual_streams_precision_under_autocast(make_mod
     assert x.grad.dtype == torch.float32 and router.weight.grad.dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert router(x.detach().bfloat16()).dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- the router's fused node
+
+
+def _training_call(layer, rope, x, autocast: bool):
+    """One training-mode call and backward (output grad fixed, auxiliary losses included): -> (output,
+    statistics, x's gradient, the layer's parameter gradients), the threshold's state restored after."""
+    state = {k: v.clone() for k, v in layer.cut.state_dict().items()}
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out, ctx = run_layer(layer, rope, x)
+        aux = sum(ctx.aux_losses.values())
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    torch.autograd.backward([out, aux], [grad_out, torch.ones(())])
+    layer.cut.load_state_dict(state)
+    grads = {name: p.grad for name, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), ctx.stats, x.grad, grads
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal_method", ["aux_loss", "predictor"])
+@pytest.mark.parametrize("gate", ["sigmoid", "identity"])
+def test_the_fused_router_node_matches_calling_the_router(make_layer, monkeypatch, autocast, causal_method, gate):
+    """MoD's training layer takes the router's logits, their top-k and the gathered rows from one autograd
+    node (mod._RouteTopkGather), whose backward sums x's three gradients in one pass: the same output and
+    statistics bit for bit, and the same gradients (x's summed in another order), as the router module
+    called and the rows gathered by the dispatcher (Router.fused False)."""
+    from megaroute.model.routing import mod
+
+    layer, rope, cfg = make_layer(f"routing.causal_method={causal_method}", f"routing.router_weight={gate}")
+    x = torch.randn(3, 11, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
+    calls = []
+    apply = mod._RouteTopkGather.apply
+    monkeypatch.setattr(mod._RouteTopkGather, "apply", lambda *args: calls.append(1) or apply(*args))
+    fused = _training_call(layer, rope, x, autocast)
+    assert calls == [1]
+    layer.router.fused = False
+    plain = _training_call(layer, rope, x, autocast)
+    assert calls == [1]
+    assert torch.equal(fused[0], plain[0])
+    assert fused[1].keys() == plain[1].keys() and all(torch.equal(fused[1][k], plain[1][k]) for k in plain[1])
+    torch.testing.assert_close(fused[2], plain[2], rtol=1e-6, atol=1e-6)
+    assert fused[3].keys() == plain[3].keys() and "router.weight" in plain[3]
+    for name in plain[3]:
+        torch.testing.assert_close(fused[3][name], plain[3][name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_router_node_steps_aside_whenever_a_router_call_is_observable(make_layer, monkeypatch):
+    """Router.gathers: the fused node only where calling the module would be exactly Router.forward and
+    nobody could see the difference; a forward hook on the router still sees every training call."""
+    layer, rope, cfg = make_layer()
+    router = layer.router
+    x = torch.randn(2, 9, cfg.model.d_model)
+    assert router.gathers(x)
+    with torch.no_grad():
+        assert not router.gathers(x)
+    assert not router.gathers(x.double()) and not router.gathers(x.bfloat16())
+    seen = []
+    handle = router.register_forward_hook(lambda module, args, out: seen.append(out))
+    assert not router.gathers(x)
+    out, _ = run_layer(layer, rope, x.requires_grad_())
+    assert len(seen) == 1 and seen[0].shape == (2, 9, 1)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    assert not router.gathers(x)
+    handle.remove()
+    assert router.gathers(x)
+    router.fused = False
+    assert not router.gathers(x)
+    router.fused = True
+    monkeypatch.setattr(router.weight, "ds_id", 0, raising=False)  # partitioned by ZeRO-3
+    assert not router.gathers(x)
+    monkeypatch.delattr(router.weight, "ds_id")
+    monkeypatch.setattr(router, "forward", lambda h: h[..., :1])
+    assert not router.gathers(x)
+
+
+@pytest.mark.parametrize("outputs", [(0, 2, 3), (0,), (2,), (3,), (0, 3)], ids=["all", "logits", "rows", "x", "logits+x"])
+def test_the_router_node_passes_gradcheck(outputs):
+    """_RouteTopkGather's backward in float64 against finite differences, with gradients reaching it through
+    every subset of its outputs (the branches where the others are None)."""
+    from megaroute.model.routing import mod
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w):
+        out = mod._RouteTopkGather.apply(x, w, 3)
+        return tuple(out[i] for i in outputs)
+
+    assert torch.autograd.gradcheck(fn, (x, w))
