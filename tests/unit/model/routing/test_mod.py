@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaroute.kernels import reference
+from megaroute.kernels import cpu, reference
 from megaroute.model import ForwardOptions, build_model
 from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions
@@ -565,18 +565,23 @@ def _training_call(layer, rope, x, autocast: bool):
 @pytest.mark.parametrize("gate", ["sigmoid", "identity"])
 def test_the_fused_router_node_matches_calling_the_router(make_layer, monkeypatch, autocast, causal_method, gate):
     """MoD's training layer takes the router's logits, their top-k and the gathered rows from one autograd
-    node (mod._RouteTopkGather), whose backward sums x's three gradients in one pass: the same output and
-    statistics bit for bit, and the same gradients (x's summed in another order), as the router module
-    called and the rows gathered by the dispatcher (Router.fused False)."""
+    node (mod._RouteTopkGather), whose backward sums x's three gradients in one pass (the CPU kernels'
+    route_backward): the same output and statistics bit for bit, and the same gradients (summed in
+    another order), as the router module called and the rows gathered by the dispatcher (Router.fused
+    False)."""
     from megaroute.model.routing import mod
 
     layer, rope, cfg = make_layer(f"routing.causal_method={causal_method}", f"routing.router_weight={gate}")
     x = torch.randn(3, 11, cfg.model.d_model, generator=torch.Generator().manual_seed(0))
-    calls = []
+    calls, kernel_calls = [], []
     apply = mod._RouteTopkGather.apply
     monkeypatch.setattr(mod._RouteTopkGather, "apply", lambda *args: calls.append(1) or apply(*args))
+    kernels = cpu.load()  # its backward's one-pass kernel where the CPU kernels are built
+    if kernels is not None:
+        route_backward = kernels.route_backward
+        monkeypatch.setattr(kernels, "route_backward", lambda *args: kernel_calls.append(1) or route_backward(*args))
     fused = _training_call(layer, rope, x, autocast)
-    assert calls == [1]
+    assert calls == [1] and kernel_calls == ([1] if kernels is not None else [])
     layer.router.fused = False
     plain = _training_call(layer, rope, x, autocast)
     assert calls == [1]
