@@ -42,8 +42,8 @@ it, in activation elements:
 CPU adds `cpu_activation_bytes` (bf16 attention's softmax).
 A routed block's terms come from its method's spec (MethodSpec.activations): a capacity-routed
 one (MoD, the baselines) also keeps its full-length input (read by the router, T x d) and the
-delta of its k tokens (k x d, for the gate's gradient; in float32 when 16-bit training combines
-through PyTorch, on CPU or with routing.dispatch torch). The head keeps the final norm's two tensors
+delta of its k tokens (k x d, for the gate's gradient, in delta's dtype: the PyTorch combine keeps it
+as the Triton one does, where autograd's product kept a float32 copy in 16-bit training). The head keeps the final norm's two tensors
 (2d) plus the logits (returned to the caller, so alive until backward) and what the loss saves
 (vocab-parallel cross-entropy: an fp32 log-softmax; the chunked loss on returned logits: a
 logsumexp per row). Training on CPU without TP (below ZeRO-3) runs the LM head inside the loss
@@ -174,12 +174,9 @@ def activation_bytes(
         return n * (4 * d + ((3 + attn_out) * d + swiglu * f) / tp)
 
     spec = method_spec(routing.method)  # a routed block's terms: MethodSpec.activations
-    # 16-bit through the PyTorch combine (CPU, or routing.dispatch torch): g * delta is multiplied in
-    # float32, and that product keeps a float32 copy of the k tokens' delta (the Triton kernel keeps delta)
-    torch_combine = device == "cpu" or routing.dispatch == "torch"
-    f32_delta = (4 - p) / p if p < 4 and spec.activations is None and torch_combine else 0
-    layers = [spec.layer_activations(model, routing, T, block) + f32_delta * spec.tokens(routing, T) * d
-              if routing.is_routed(i) else block(T) for i in range(model.n_layers)]
+    # The combine keeps delta in its own dtype, the PyTorch one (kernels/reference.py) as the Triton one
+    layers = [spec.layer_activations(model, routing, T, block) if routing.is_routed(i) else block(T)
+              for i in range(model.n_layers)]
     if activation_checkpointing:
         body = model.n_layers * T * d * p + max(layers) * p
     else:

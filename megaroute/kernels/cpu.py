@@ -6,7 +6,7 @@
     rotary_qkv_scatter / gather_heads     used by model/attention.py's forward_varlen without autograd
     rows_add                              model/routing/ragged.py's combine without autograd (x copied
                                           and the update added to the selected rows in one pass)
-    route_backward                        model/routing/mod.py's _RouteTopkGather backward (x's three
+    router_grads                          model/routing/mod.py's _RouteTopkGather backward (x's three
                                           gradients summed and the router weight's in one pass)
     causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
                                           (built where torch's headers declare the float32 brgemm);

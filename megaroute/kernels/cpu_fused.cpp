@@ -10,7 +10,7 @@
 //                                        gather fused with RoPE, and the unpadding
 //   rows_add                             ragged.update_rows without autograd: the update added back
 //                                        to the selected rows while x is copied, one pass
-//   route_backward                       routing/mod.py _RouteTopkGather's backward: x's three
+//   router_grads                         routing/mod.py _RouteTopkGather's backward: x's three
 //                                        gradients and the router weight's in one pass
 //   causal_attention_forward / _backward float32 causal attention per head through oneDNN's brgemm
 //                                        (attention._CausalAttentionF32; see its section below)
@@ -592,7 +592,7 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
 // One pass over the rows (grad and x read once, out written once), where torch ran addr (out), an
 // index_add into it and a [1, R] x [R, D] GEMM that read x again. rows strictly ascending; each
 // chunk finds its first selected row by binary search; grad_w summed per thread, then over threads.
-void route_backward_kernel(const float* grad, const float* g, const float* w, const float* x, const int64_t* rows,
+void router_grads_kernel(const float* grad, const float* g, const float* w, const float* x, const int64_t* rows,
                            const float* grad_rows, float* out, float* grad_w_parts, int64_t R, int64_t n, int64_t D) {
   at::parallel_for(0, R, grain(3 * D), [&](int64_t begin, int64_t end) {
     float* part = grad_w_parts + at::get_thread_num() * D;
@@ -625,27 +625,27 @@ void route_backward_kernel(const float* grad, const float* g, const float* w, co
   });
 }
 
-std::vector<at::Tensor> route_backward(const at::Tensor& grad, const at::Tensor& g, const at::Tensor& w,
+std::vector<at::Tensor> router_grads(const at::Tensor& grad, const at::Tensor& g, const at::Tensor& w,
                                        const at::Tensor& x, const at::Tensor& rows, const at::Tensor& grad_rows) {
   for (auto [t, name] : {std::pair{&grad, "grad"}, {&g, "g"}, {&w, "w"}, {&x, "x"}, {&grad_rows, "grad_rows"}}) {
     check_cpu(*t, name);
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "route_backward: ", name, " must be float32");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "router_grads: ", name, " must be float32");
   }
   TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && g.numel() == x.size(0) && w.numel() == x.size(1) &&
                   grad_rows.dim() == 2 && grad_rows.size(1) == x.size(1),
-              "route_backward: grad and x must be [R, D], g [R], w [D], grad_rows [n, D]; got ", grad.sizes(), ", ",
+              "router_grads: grad and x must be [R, D], g [R], w [D], grad_rows [n, D]; got ", grad.sizes(), ", ",
               x.sizes(), ", ", g.sizes(), ", ", w.sizes(), ", ", grad_rows.sizes());
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
                   rows.size(0) == grad_rows.size(0),
-              "route_backward: rows must be a contiguous CPU int64 [n], one per grad_rows row");
+              "router_grads: rows must be a contiguous CPU int64 [n], one per grad_rows row");
   const int64_t R = x.size(0), n = rows.size(0), D = x.size(1);
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t j = 0; j < n; ++j)
     TORCH_CHECK(r[j] >= 0 && r[j] < R && (j == 0 || r[j] > r[j - 1]),
-                "route_backward: rows must be strictly ascending row indices of x's ", R, " rows");
+                "router_grads: rows must be strictly ascending row indices of x's ", R, " rows");
   at::Tensor out = at::empty_like(x);
   at::Tensor parts = at::zeros({at::get_num_threads(), D}, x.options());
-  route_backward_kernel(grad.data_ptr<float>(), g.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(), r,
+  router_grads_kernel(grad.data_ptr<float>(), g.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(), r,
                         grad_rows.data_ptr<float>(), out.data_ptr<float>(), parts.data_ptr<float>(), R, n, D);
   return {out, parts.sum(0)};
 }
@@ -997,7 +997,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_heads", &gather_heads, "varlen: padded bucket outputs -> [N, H, Dh] rows");
   m.def("rows_add", &rows_add, py::arg("x"), py::arg("rows"), py::arg("delta"), py::arg("weight") = py::none(),
         "ragged combine: x [R, D] with weight[j] * delta[j] added to row rows[j] (ascending), one pass");
-  m.def("route_backward", &route_backward,
+  m.def("router_grads", &router_grads,
         "(grad, g, w, x, rows, grad_rows) -> (grad + g w^T with grad_rows added at rows, g^T x): MoD's router node");
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   m.def("causal_attention_forward", &causal_attention_forward, "float32 q, k, v [B, H, T, Dh] -> (out, logsumexp)");

@@ -79,7 +79,7 @@ class _RouteTopkGather(torch.autograd.Function):
     (logits = x @ w^T [B, T], idx = their top-k per sequence [B, k] ascending, the selected rows of x
     [B, k, D], x itself (a view) for the combine). Its backward gets the three gradients that reach x at
     once and returns grad_x = (the combine's) + logits' grad (outer) w + the selected rows' grad, with
-    w's gradient, in one pass over the rows (the CPU kernels' route_backward; elsewhere addr, an
+    w's gradient, in one pass over the rows (the CPU kernels' router_grads; elsewhere addr, an
     index_add into it and F.linear's GEMM), where autograd ran an outer-product GEMM, a zero fill, two
     additions of full [B, T, D] tensors and a GEMM that read x again. Per routed layer of a MoD step at
     nanoGPT's shape (forward + backward, one process, interleaved): bf16 7.58 -> 7.28 ms with torch's
@@ -108,7 +108,7 @@ class _RouteTopkGather(torch.autograd.Function):
             g, grad_rows = grad_logits.reshape(B * T), grad_rows.reshape(-1, D)
             kernels = cpu.usable(grad, g, weight, flat, grad_rows)
             if kernels is not None:  # the three and w's gradient in one pass over the rows
-                grad, grad_weight = kernels.route_backward(grad, g, weight.reshape(D), flat, rows, grad_rows)
+                grad, grad_weight = kernels.router_grads(grad, g, weight.reshape(D), flat, rows, grad_rows)
                 return grad.view(B, T, D), grad_weight.view(1, D), None
         owned, grad_weight = False, None  # owned: grad is a fresh tensor (grad_x is not ours to change)
         with torch.autocast(x.device.type, enabled=False):  # a backward inside autocast: still float32

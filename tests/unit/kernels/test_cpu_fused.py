@@ -154,7 +154,7 @@ def test_rows_add_refuses_rows_out_of_order_or_range(kernels):
 
 
 @pytest.mark.parametrize("R,n,D", [(7, 3, 5), (400, 170, 200), (9, 0, 16), (6, 6, 40), (1, 1, 33)])
-def test_route_backward_matches_the_torch_ops(kernels, R, n, D):
+def test_router_grads_matches_the_torch_ops(kernels, R, n, D):
     """MoD's router node's backward (routing/mod.py _RouteTopkGather): grad + g w^T with grad_rows added to
     the selected rows, and g^T x, against addr / index_add / mm (float32 sums in another order: close,
     not equal); no rows, every row, the first and the last, rows split over two threads' chunks."""
@@ -166,23 +166,23 @@ def test_route_backward_matches_the_torch_ops(kernels, R, n, D):
         rows[0], rows[-1] = 0, R - 1
         rows = rows.unique()
     grad_rows = torch.randn(rows.numel(), D, generator=gen)
-    out, grad_w = kernels.route_backward(grad, g, w, x, rows, grad_rows)
+    out, grad_w = kernels.router_grads(grad, g, w, x, rows, grad_rows)
     torch.testing.assert_close(out, torch.addr(grad, g, w).index_add_(0, rows, grad_rows), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_w, g @ x, rtol=1e-5, atol=1e-5)
     assert out.shape == (R, D) and grad_w.shape == (D,)
 
 
-def test_route_backward_refuses_bad_rows_and_shapes(kernels):
+def test_router_grads_refuses_bad_rows_and_shapes(kernels):
     grad, g, w, x = torch.randn(8, 4), torch.randn(8), torch.randn(4), torch.randn(8, 4)
     for rows in ([1, 1, 2], [3, 2, 5], [0, 2, 8], [-1, 2, 3]):
         with pytest.raises(RuntimeError, match="strictly ascending"):
-            kernels.route_backward(grad, g, w, x, torch.tensor(rows), torch.randn(3, 4))
+            kernels.router_grads(grad, g, w, x, torch.tensor(rows), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="one per grad_rows row"):
-        kernels.route_backward(grad, g, w, x, torch.tensor([0, 1]), torch.randn(3, 4))
+        kernels.router_grads(grad, g, w, x, torch.tensor([0, 1]), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="g must be float32"):
-        kernels.route_backward(grad, g.double(), w, x, torch.tensor([0]), torch.randn(1, 4))
+        kernels.router_grads(grad, g.double(), w, x, torch.tensor([0]), torch.randn(1, 4))
     with pytest.raises(RuntimeError, match="must be \\[R, D\\]"):
-        kernels.route_backward(grad, g[:5], w, x, torch.tensor([0]), torch.randn(1, 4))
+        kernels.router_grads(grad, g[:5], w, x, torch.tensor([0]), torch.randn(1, 4))
 
 
 def _eager_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor):

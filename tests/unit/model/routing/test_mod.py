@@ -566,7 +566,7 @@ def _training_call(layer, rope, x, autocast: bool):
 def test_the_fused_router_node_matches_calling_the_router(make_layer, monkeypatch, autocast, causal_method, gate):
     """MoD's training layer takes the router's logits, their top-k and the gathered rows from one autograd
     node (mod._RouteTopkGather), whose backward sums x's three gradients in one pass (the CPU kernels'
-    route_backward): the same output and statistics bit for bit, and the same gradients (summed in
+    router_grads): the same output and statistics bit for bit, and the same gradients (summed in
     another order), as the router module called and the rows gathered by the dispatcher (Router.fused
     False)."""
     from megaroute.model.routing import mod
@@ -578,8 +578,8 @@ def test_the_fused_router_node_matches_calling_the_router(make_layer, monkeypatc
     monkeypatch.setattr(mod._RouteTopkGather, "apply", lambda *args: calls.append(1) or apply(*args))
     kernels = cpu.load()  # its backward's one-pass kernel where the CPU kernels are built
     if kernels is not None:
-        route_backward = kernels.route_backward
-        monkeypatch.setattr(kernels, "route_backward", lambda *args: kernel_calls.append(1) or route_backward(*args))
+        router_grads = kernels.router_grads
+        monkeypatch.setattr(kernels, "router_grads", lambda *args: kernel_calls.append(1) or router_grads(*args))
     fused = _training_call(layer, rope, x, autocast)
     assert calls == [1] and kernel_calls == ([1] if kernels is not None else [])
     layer.router.fused = False
