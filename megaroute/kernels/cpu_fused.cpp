@@ -406,6 +406,19 @@ at::Tensor gather_heads(const std::vector<at::Tensor>& ys, const at::Tensor& buc
 
 // --------------------------------------------------------------------------------- ragged combine
 
+// rows: a contiguous CPU int64 [n], one per row of `per` (n_expected of them), strictly ascending
+// indices of R rows; checked, then its data.
+const int64_t* checked_rows(const at::Tensor& rows, int64_t R, int64_t n_expected, const char* op, const char* per) {
+  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == n_expected,
+              op, ": rows must be a contiguous CPU int64 [n], one per ", per, " row");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < rows.size(0); ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < R && (j == 0 || r[j] > r[j - 1]),
+                op, ": rows must be strictly ascending row indices of x's ", R, " rows");
+  return r;
+}
+
 // out = x;  out[rows[j]] += weight[j] * delta[j] (weight absent: 1), each sum in float32 and rounded
 // once to x's dtype, as ragged.update_rows' index_add does it. One pass over x's rows, where
 // x.index_add makes two (a copy of x, then the selected rows once more); rows strictly ascending,
@@ -446,14 +459,8 @@ at::Tensor rows_add(const at::Tensor& x, const at::Tensor& rows, const at::Tenso
   check_cpu(delta, "delta");
   TORCH_CHECK(x.dim() == 2 && delta.dim() == 2 && delta.size(1) == x.size(1),
               "rows_add: x must be [R, D] and delta [n, D], got ", x.sizes(), " and ", delta.sizes());
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
-                  rows.size(0) == delta.size(0),
-              "rows_add: rows must be a contiguous CPU int64 [n], one per delta row");
   const int64_t R = x.size(0), n = rows.size(0), D = x.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j)
-    TORCH_CHECK(r[j] >= 0 && r[j] < R && (j == 0 || r[j] > r[j - 1]),
-                "rows_add: rows must be strictly ascending row indices of x's ", R, " rows");
+  const int64_t* r = checked_rows(rows, R, delta.size(0), "rows_add", "delta");
   const float* w = nullptr;
   if (weight.has_value()) {
     TORCH_CHECK(weight->device().is_cpu() && weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
@@ -635,14 +642,8 @@ std::vector<at::Tensor> router_grads(const at::Tensor& grad, const at::Tensor& g
                   grad_rows.dim() == 2 && grad_rows.size(1) == x.size(1),
               "router_grads: grad and x must be [R, D], g [R], w [D], grad_rows [n, D]; got ", grad.sizes(), ", ",
               x.sizes(), ", ", g.sizes(), ", ", w.sizes(), ", ", grad_rows.sizes());
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
-                  rows.size(0) == grad_rows.size(0),
-              "router_grads: rows must be a contiguous CPU int64 [n], one per grad_rows row");
   const int64_t R = x.size(0), n = rows.size(0), D = x.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j)
-    TORCH_CHECK(r[j] >= 0 && r[j] < R && (j == 0 || r[j] > r[j - 1]),
-                "router_grads: rows must be strictly ascending row indices of x's ", R, " rows");
+  const int64_t* r = checked_rows(rows, R, grad_rows.size(0), "router_grads", "grad_rows");
   at::Tensor out = at::empty_like(x);
   at::Tensor parts = at::zeros({at::get_num_threads(), D}, x.options());
   router_grads_kernel(grad.data_ptr<float>(), g.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(), r,
