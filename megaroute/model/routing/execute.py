@@ -28,7 +28,7 @@ def update_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, idx:
                   weight: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None, *,
                   dispatcher: Dispatcher, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """update_selected through the gather/combine dispatcher, every row padded to k; `rows`: x's
-    selected rows [B, k, D] when the caller gathered them already (MoD's router, mod.Router)."""
+    selected rows [B, k, D] when the caller gathered them already (MoD's router node, mod._RouteTopkGather)."""
     if idx.shape[1] == 0 and may_skip_block(block):
         return x
     delta = block.update(dispatcher.gather(x, idx) if rows is None else rows, pos.select(idx, valid))
