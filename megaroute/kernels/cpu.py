@@ -8,6 +8,7 @@
                                           and the update added to the selected rows in one pass)
     router_grads                          model/routing/mod.py's _RouteTopkGather backward (x's three
                                           gradients summed and the router weight's in one pass)
+    quantile_update                       model/routing/calibration.py's QuantileCut.update in one call
     causal_attention_forward / _backward  float32 attention, model/attention.py's _CausalAttentionF32
                                           (built where torch's headers declare the float32 brgemm);
                                           under torch.compile the registered ops

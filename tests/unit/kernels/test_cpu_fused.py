@@ -185,6 +185,53 @@ def test_router_grads_refuses_bad_rows_and_shapes(kernels):
         kernels.router_grads(grad, g[:5], w, x, torch.tensor([0]), torch.randn(1, 4))
 
 
+def _score_cases():
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.randn(8, 256, generator=gen)
+    ties = torch.randint(0, 4, (4, 16), generator=gen).float()
+    some_nan = plain.clone().index_fill_(1, torch.tensor([3, 70]), float("nan"))  # 16 NaNs, fewer than n
+    many_nan = plain.clone().index_fill_(1, torch.arange(0, 256, 2), float("nan"))  # more than n
+    infs = plain.clone().index_fill_(1, torch.tensor([5]), float("inf")).index_fill_(1, torch.tensor([9]), -float("inf"))
+    return {"plain": plain, "ties": ties, "some_nan": some_nan, "many_nan": many_nan, "infs": infs,
+            "one": torch.tensor([[0.25]]), "strided": plain.t()}
+
+
+@pytest.mark.parametrize("case", list(_score_cases()))
+@pytest.mark.parametrize("keep", [0.0, 1 / 256, 0.125, 0.5, 0.999, 1.0])
+def test_quantile_update_matches_the_eager_ops(kernels, monkeypatch, case, keep):
+    """QuantileCut.update through the kernels' quantile_update equals the eager ops bit for bit, update
+    after update (the first takes the cut, later ones blend by the momentum; non-finite results leave
+    the threshold): no score kept, one, all, ties, NaN scores above or below the cut, infinities."""
+    from megaroute.model.routing import calibration
+    from megaroute.model.routing.calibration import QuantileCut
+
+    scores = _score_cases()[case]
+    shifted = [scores, scores * 0.5 + 1.0, scores - 3.0]
+    fused, eager = QuantileCut(0.9), QuantileCut(0.9)
+    calls = []
+    real = kernels.quantile_update
+    for batch in shifted:
+        monkeypatch.setattr(kernels, "quantile_update", lambda *args: calls.append(1) or real(*args))
+        fused.update(batch, keep)
+        monkeypatch.setattr(calibration.cpu, "usable", lambda *tensors, **options: None)
+        eager.update(batch, keep)
+        monkeypatch.undo()
+        assert torch.equal(fused.threshold, eager.threshold) or (fused.threshold.isnan() and eager.threshold.isnan())
+        assert fused.updates == eager.updates
+    assert len(calls) == len(shifted)
+    assert fused.updates.item() == 3
+
+
+def test_quantile_update_refuses_bad_arguments(kernels):
+    threshold, updates = torch.zeros(()), torch.zeros((), dtype=torch.long)
+    with pytest.raises(RuntimeError, match="non-empty float32"):
+        kernels.quantile_update(torch.zeros(0), 0, threshold, updates, 0.9)
+    with pytest.raises(RuntimeError, match="threshold must be one CPU float32"):
+        kernels.quantile_update(torch.ones(4), 1, threshold.double(), updates, 0.9)
+    with pytest.raises(RuntimeError, match="updates must be one CPU int64"):
+        kernels.quantile_update(torch.ones(4), 1, threshold, updates.int(), 0.9)
+
+
 def _eager_cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor):
     """lm_loss's eager tile loop, which the kernel replaces: per-row losses and (softmax - onehot) * keep
     in logits' dtype."""
