@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import weakref
 from pathlib import Path
 
 import pytest
+
+from .ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -24,12 +25,6 @@ FAST = [
     "train.micro_batch_size=4", "train.global_batch_size=8", "train.eval_interval=1000", "train.eval_batches=2",
     "train.log_interval=1", "optim.warmup_steps=2",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

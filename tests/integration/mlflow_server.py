@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,21 +28,18 @@ from typing import Optional
 
 import psutil
 
+from .ports import free_port
+
 BIN = Path(sys.executable).parent
 MARKER = "MEGAROUTE_TEST_MLFLOW_SERVER"
 HUEY_ENV = "_MLFLOW_HUEY_STORAGE_PATH"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlflowServer:
     def __init__(self, workdir: Path, port: Optional[int] = None, workers: int = 1):
         self.workdir = Path(workdir)
         self.port = port or free_port()
+        self._port_chosen = port is None  # a port we chose may be moved if it is lost before the bind
         self.workers = workers
         self.token = uuid.uuid4().hex
         self.db = self.workdir / "server.db"
@@ -75,8 +71,10 @@ class MlflowServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_ready(self, timeout: float = 300) -> "MlflowServer":
-        """Blocks until GET /health answers 200 (startup takes 20-90 s on a busy 2-core machine)."""
+    def wait_ready(self, timeout: float = 300, rebinds: int = 3) -> "MlflowServer":
+        """Blocks until GET /health answers 200 (startup takes 20-90 s on a busy 2-core machine). A
+        server whose chosen port was taken before it bound it ("address already in use") is started
+        again on another port, up to `rebinds` times; read `uri` after this returns."""
         deadline = time.monotonic() + timeout
         last_observed = 0.0
         while time.monotonic() < deadline:
@@ -84,6 +82,11 @@ class MlflowServer:
                 self._observe()
                 last_observed = time.monotonic()
             if self.proc.poll() is not None:
+                if self._port_chosen and rebinds > 0 and "address already in use" in self.output():
+                    rebinds -= 1
+                    self.port = free_port()
+                    self.start()
+                    continue
                 raise RuntimeError(f"mlflow server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
             if self.healthy():
                 self._observe()

@@ -22,14 +22,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .ports import free_port
+
 NODES = ("node1", "node2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_available() -> bool:

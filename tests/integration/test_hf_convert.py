@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from .conftest import BIN, REPO, free_port, start_job
+from .conftest import BIN, REPO, start_job
+from .ports import free_port
 
 pytestmark = pytest.mark.slow
 

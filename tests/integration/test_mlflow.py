@@ -23,7 +23,8 @@ from megaroute.flops import config_flops, training_proxy
 from megaroute.train.run import data_fingerprint
 
 from .conftest import Job, losses, read_metrics, start_job, wait_for
-from .mlflow_server import MARKER, MlflowServer, free_port
+from .mlflow_server import MARKER, MlflowServer
+from .ports import free_port
 
 pytestmark = pytest.mark.slow
 mlflow = pytest.importorskip("mlflow")
