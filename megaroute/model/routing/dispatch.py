@@ -16,6 +16,10 @@ import torch
 from ...kernels import check_backend, reference, resolve
 
 
+# idx [B, k] positions -> [B * k] rows b * T + idx[b, j] of the flat [B * T, D] view (the reference gather's)
+flat_rows = reference.flat_rows
+
+
 def capacity_k(seq_len: int, capacity: float) -> int:
     """Tokens a routed block processes per sequence: max(1, round(c * T)). Never zero."""
     return max(1, int(round(capacity * seq_len)))

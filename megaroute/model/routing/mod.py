@@ -93,7 +93,7 @@ class _RouteTopkGather(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # float32 logits, as Router.forward's
             logits = F.linear(flat, weight).view(B, T)
         idx = dispatch.topk_indices(logits, k)
-        rows = (idx + torch.arange(B, device=idx.device).unsqueeze(1) * T).reshape(-1)
+        rows = dispatch.flat_rows(idx, T)
         ctx.save_for_backward(x, weight, rows)
         ctx.mark_non_differentiable(idx)
         return logits, idx, flat.index_select(0, rows).view(B, k, D), x.view_as(x)

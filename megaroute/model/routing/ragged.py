@@ -37,6 +37,7 @@ import torch
 from ...kernels import cpu, cpu_linear
 from ..block import TransformerBlock
 from ..rope import Positions
+from . import dispatch
 
 
 def mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +47,7 @@ def mask_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def index_rows(idx: torch.Tensor, valid: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A padded selection (idx [B, k] ascending, valid [B, k]) -> (rows [N], counts [B])."""
-    offsets = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1) * seq_len
-    return (idx + offsets)[valid], valid.sum(dim=1)
+    return dispatch.flat_rows(idx, seq_len)[valid.reshape(-1)], valid.sum(dim=1)
 
 
 def _table_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
