@@ -572,13 +572,17 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
 
 @torch.no_grad()
 def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtype, batch: int, prompt_len: int,
-                   new_tokens: int, calibrate: bool = False, device: str = "cuda") -> tuple[float, Optional[float]]:
+                   new_tokens: int, calibrate: bool = False, device: str = "cuda"
+                   ) -> Optional[tuple[float, Optional[float]]]:
     """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, fraction
-    of tokens the routed blocks ran, or None for a dense model). Random weights; with `calibrate`, the
+    of tokens the routed blocks ran, or None for a dense model), or None for a model that cannot decode
+    with a cache (Transformer.decodes_incrementally: first_k). Random weights; with `calibrate`, the
     causal thresholds are set as training sets them before every evaluation (calibrate_thresholds, on
     four random sequences), so causal routing runs the configured budget as a trained model's does."""
     torch.manual_seed(0)
     model = build_model(shape, routing).eval()
+    if not model.decodes_incrementally:
+        return None
     if calibrate:
         x = torch.randint(0, shape.vocab_size, (4, min(512, shape.max_seq_len)),
                           generator=torch.Generator().manual_seed(1))
@@ -654,8 +658,13 @@ def print_sampling(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]],
         rows.append(("mod_calibrated", shape, r, True))
     speeds = {}
     for name, shape, r, calibrate in rows:
-        tps, frac = sampling_speed(shape, r, dtype, args.sample_batch, args.prompt_len, args.new_tokens, calibrate,
-                                   device)
+        speed = sampling_speed(shape, r, dtype, args.sample_batch, args.prompt_len, args.new_tokens, calibrate,
+                               device)
+        if speed is None:
+            print(f"  {name:<14} skipped: it cannot decode with a KV cache (its choice depends on the length of "
+                  "each call)", flush=True)
+            continue
+        tps, frac = speed
         speeds[name] = tps
         extra = f", routed blocks ran {frac:.0%} of tokens" if frac is not None else ""
         print(f"  {name:<14} {tps:9,.0f} tokens/s{extra}", flush=True)

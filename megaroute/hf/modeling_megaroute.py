@@ -111,7 +111,7 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
         """
         lengths = mask.sum(1, keepdim=True)
         idx = torch.arange(mask.shape[1], device=mask.device)
-        causal = mode != "topk" and all(getattr(layer, "cacheable", True) for layer in self.model.layers)
+        causal = mode != "topk" and self.model.decodes_incrementally
         if not causal:
             raise ValueError("megaroute models have no padding mask for routing that sees later tokens or the "
                              f"padded length (mode {mode!r}, method {self.config.megaroute_routing.get('method')!r}); "

@@ -268,6 +268,12 @@ class Transformer(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.cfg.max_seq_len)
 
+    @property
+    def decodes_incrementally(self) -> bool:
+        """Whether a KV cache can decode this model step by step (causal or hard mode): no layer's choice
+        depends on the length of the call (first_k's does)."""
+        return all(getattr(layer, "cacheable", True) for layer in self.layers)
+
     def _check_cacheable(self, routing_mode: str, targets: Optional[torch.Tensor]) -> None:
         routed = any(not isinstance(layer, DenseLayer) for layer in self.layers)
         if routed and routing_mode == "topk":

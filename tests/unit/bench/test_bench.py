@@ -100,6 +100,18 @@ def test_cpu_sampling_speed_rows_are_megaroute_models_only(capsys, small_shape):
     assert "greedy sampling" not in capsys.readouterr().out  # off by default on CPU
 
 
+def test_sampling_every_variant_skips_the_one_that_cannot_decode_with_a_cache(capsys, small_shape):
+    """--sample with the default variants (all of them): first_k's choice depends on the length of each call,
+    so it gets a line saying it was skipped, and every other routed method is sampled (this crashed)."""
+    assert step.main(["--steps", "1", "--warmup", "0", "--batch", "1", "--seq-len", "16", "--precision", "fp32",
+                      "--sample", "--prompt-len", "4", "--new-tokens", "3", "--peak-size", "64"]) == 0
+    out = capsys.readouterr().out.split("greedy sampling with the KV cache")[1]
+    sampled = [line.split()[0] for line in out.splitlines() if "tokens/s" in line]
+    assert sampled == ["dense", "mod", "random", "stride", "depth_gate", "halting", "early_exit", "mod_calibrated"], out
+    assert "first_k        skipped: it cannot decode with a KV cache" in out
+    assert "first_k / dense" not in out and "early_exit / dense sampling speed" in out
+
+
 def test_calibrated_sampling_runs_the_budget(small_shape):
     """Sampling with `calibrate` (the CUDA path's mod_calibrated row, here on CPU): the causal thresholds
     come from calibrate_thresholds, as before an evaluation, so the routed blocks run about the
