@@ -2,7 +2,9 @@
 
 Each routed block processes about k = capacity_k(T, c) tokens per sequence, chosen by
     "random"   k uniform random positions per sequence (training); each token independently with
-               probability k / T (causal mode: a token's choice must not depend on the others)
+               probability c (causal mode: a token's choice depends neither on the others nor on the
+               length of the call, so decoding token by token with a KV cache draws as the forward
+               over the whole sequence does)
     "stride"   positions t with t % s == s - 1, s = round(1/c): T // s tokens, positional, so
                the same in every mode (causal by construction)
     "first_k"  positions t < k, in every mode
@@ -57,7 +59,7 @@ class CapacityBaselineLayer(nn.Module):
         k = dispatch.capacity_k(T, self.capacity)
         if self.method == "random":
             if causal:
-                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < k / T)
+                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < self.capacity)
             return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
         # Positional rules read each token's own (original) position: causal in every mode.
         if pos.start is not None:
@@ -97,7 +99,8 @@ class CapacityBaselineLayer(nn.Module):
 
 
 # MoD's cost without a router: the block on the selected tokens (the spec's default cost model).
-# Their causal decisions match the budget by construction (positional, or Bernoulli(k / T)).
+# Their causal decisions match the budget by construction (positional, or Bernoulli(c): k / T to within
+# the rounding of k = round(c T)).
 RANDOM = MethodSpec(name="random", layer=CapacityBaselineLayer, tokens=capacity_tokens, budget=capacity_budget)
 STRIDE = MethodSpec(name="stride", layer=CapacityBaselineLayer, tokens=stride_tokens,
                     budget=lambda routing, T: stride_tokens(routing, T) / T)

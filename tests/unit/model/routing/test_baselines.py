@@ -81,6 +81,22 @@ def test_random_causal_mode_is_per_token_bernoulli(make_model, monkeypatch):
     assert rows(calls, 1) == round(frac * 64 * 32)
 
 
+def test_random_decodes_with_a_cache_at_the_capacity(make_model):
+    """Causal random draws each token with probability c whatever the length of the call: decoding token by
+    token with a KV cache runs about c of the tokens, as the uncached forward does (with k / T of each call,
+    k = max(1, round(c T)), a one-token call ran every token)."""
+    model, cfg = make_model(*baseline("random"))
+    model.eval()
+    B, T = 4, 64
+    tokens = tokens_for(cfg, B, T)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        cache = model.new_cache()
+        ran = [model(tokens[:, t:t + 1], options=ForwardOptions(mode="causal", cache=cache)).routing_stats[
+            "layer_1/selected_frac"].item() for t in range(T)]
+    assert sum(ran) / T == pytest.approx(0.25, abs=0.06)
+
+
 @pytest.mark.parametrize("mode", ["topk", "causal", "hard"])
 @pytest.mark.parametrize("T,capacity,expected", [
     (16, 0.25, [3, 7, 11, 15]), (13, 0.25, [3, 7, 11]), (10, 0.3, [2, 5, 8]), (3, 0.25, []), (5, 1.0, [0, 1, 2, 3, 4]),
