@@ -574,8 +574,9 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
 def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtype, batch: int, prompt_len: int,
                    new_tokens: int, calibrate: bool = False, device: str = "cuda"
                    ) -> Optional[tuple[float, Optional[float]]]:
-    """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, fraction
-    of tokens the routed blocks ran, or None for a dense model), or None for a model that cannot decode
+    """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, the fraction
+    of the decoded tokens that took the routed layers' budgeted path (ModelOutput.executed, averaged over
+    the decoding steps and the routed layers), or None for a dense model), or None for a model that cannot decode
     with a cache (Transformer.decodes_incrementally: first_k). Random weights; with `calibrate`, the
     causal thresholds are set as training sets them before every evaluation (calibrate_thresholds, on
     four random sequences), so causal routing runs the configured budget as a trained model's does."""
@@ -591,24 +592,22 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     prompt = torch.randint(0, shape.vocab_size, (batch, prompt_len), device=device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
-    def decode() -> tuple[float, torch.Tensor]:
+    def decode() -> tuple[float, list[torch.Tensor]]:
         cache = model.new_cache()
         logits = model(prompt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
-        out = [prompt]
+        executed = []  # per decoding step, its routed layers' fractions (read after the clock stops)
         sync()
         t0 = time.perf_counter()
         for _ in range(new_tokens):
-            nxt = logits.argmax(-1, keepdim=True)
-            out.append(nxt)
-            logits = model(nxt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
+            out = model(logits.argmax(-1, keepdim=True), options=ForwardOptions(mode="causal", cache=cache))
+            logits = out.logits[:, -1]
+            executed.extend(out.executed.values())
         sync()
-        return time.perf_counter() - t0, torch.cat(out, dim=1)
+        return time.perf_counter() - t0, executed
 
     decode()  # warm-up (kernel compilation, allocator)
-    elapsed, seq = min((decode() for _ in range(2)), key=lambda r: r[0])
-    stats = model(seq, options=ForwardOptions(mode="causal")).routing_stats
-    fracs = [float(v) for k, v in stats.items() if k.endswith("/selected_frac")]
-    return batch * new_tokens / elapsed, (sum(fracs) / len(fracs) if fracs else None)
+    elapsed, executed = min((decode() for _ in range(2)), key=lambda r: r[0])
+    return batch * new_tokens / elapsed, (float(torch.stack(executed).mean()) if executed else None)
 
 
 def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> None:
@@ -666,7 +665,7 @@ def print_sampling(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]],
             continue
         tps, frac = speed
         speeds[name] = tps
-        extra = f", routed blocks ran {frac:.0%} of tokens" if frac is not None else ""
+        extra = f", routed layers' budgeted path ran {frac:.0%} of the decoded tokens" if frac is not None else ""
         print(f"  {name:<14} {tps:9,.0f} tokens/s{extra}", flush=True)
     for name in speeds:
         if name != "dense" and "dense" in speeds:

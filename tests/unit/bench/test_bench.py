@@ -112,6 +112,16 @@ def test_sampling_every_variant_skips_the_one_that_cannot_decode_with_a_cache(ca
     assert "first_k / dense" not in out and "early_exit / dense sampling speed" in out
 
 
+def test_sampling_reports_what_the_timed_decoding_steps_ran(small_shape):
+    """The fraction beside tokens/s is the decoded tokens', not a forward over prompt and output: stride at
+    c = 0.5 runs odd positions, and the 5 tokens fed at positions 3..7 include 3 of them (0.6), where the
+    whole 8-token sequence holds 4 (0.5)."""
+    stride = dataclasses.replace(step.VARIANTS["stride"], capacity=0.5)
+    tps, frac = step.sampling_speed(small_shape, stride, torch.float32, 2, 3, 5, device="cpu")
+    assert tps > 0 and frac == pytest.approx(0.6)
+    assert step.sampling_speed(small_shape, step.VARIANTS["dense"], torch.float32, 1, 3, 2, device="cpu")[1] is None
+
+
 def test_calibrated_sampling_runs_the_budget(small_shape):
     """Sampling with `calibrate` (the CUDA path's mod_calibrated row, here on CPU): the causal thresholds
     come from calibrate_thresholds, as before an evaluation, so the routed blocks run about the
