@@ -7,9 +7,10 @@ converter ships it with the megaroute modules it imports, generated as flat file
 names are megaroute's, under "model.". Token dispatch in routed layers uses the PyTorch reference
 (routing.dispatch "torch": the kernels' semantics; the Triton kernels are not shipped).
 
-Generation: `past_key_values` is a MegarouteCache around megaroute's routing-aware KV cache (a
-token that a routed layer skips writes no keys/values there). Cached decoding needs a causal
-routing mode; the config's default ("causal") is one.
+Generation: the cache (`cache` from transformers 5.2x, `past_key_values` before; forward takes either
+and returns it under the installed version's name) is a MegarouteCache around megaroute's
+routing-aware KV cache (a token that a routed layer skips writes no keys/values there). Cached
+decoding needs a causal routing mode; the config's default ("causal") is one.
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ def megaroute_sections(config: MegarouteConfig) -> tuple[ModelConfig, RoutingCon
     return model, routing
 
 
+# The output field generate() reads the cache back from: transformers 5.2x renamed `past_key_values` to
+# `cache` (the old name still works, with a deprecation warning on every call).
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 class MegarouteCache:
-    """past_key_values for generate(): megaroute's KVCache plus the methods generate() calls."""
+    """The cache generate() carries between steps: megaroute's KVCache plus the methods generate() calls."""
 
     def __init__(self, kv):
         self.kv = kv
@@ -126,25 +132,30 @@ class MegarouteForCausalLM(MegaroutePreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values: Optional[MegarouteCache] = None,
                 use_cache: Optional[bool] = None, labels: Optional[torch.LongTensor] = None,
-                return_dict: Optional[bool] = None, routing_mode: Optional[str] = None, **kwargs):
+                return_dict: Optional[bool] = None, routing_mode: Optional[str] = None,
+                cache: Optional[MegarouteCache] = None, **kwargs):
+        if cache is not None:  # transformers >= 5.2x hands the cache over as `cache`
+            if past_key_values is not None:
+                raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+            past_key_values = cache
         mode = routing_mode or self.config.routing_mode
-        key_mask, cache = None, None
+        key_mask, kv = None, None
         if past_key_values is None and use_cache and not self.training:
             past_key_values = MegarouteCache(self.model.new_cache())
         if past_key_values is not None:
-            cache = past_key_values.kv
+            kv = past_key_values.kv
         if attention_mask is not None and not bool(attention_mask.all()):
-            if self._padding(attention_mask, mode, cached=cache is not None) == "left":
+            if self._padding(attention_mask, mode, cached=kv is not None) == "left":
                 T = input_ids.shape[1]
                 key_mask = attention_mask[:, -T:].bool()
                 if position_ids is None:  # real tokens count from 0, as without padding
                     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-                if cache is None:  # a throwaway cache: the cached path is the one that masks keys
-                    cache = self.model.new_cache()
-        out = self.model(input_ids, options=ForwardOptions(mode=mode, positions=position_ids, cache=cache,
+                if kv is None:  # a throwaway cache: the cached path is the one that masks keys
+                    kv = self.model.new_cache()
+        out = self.model(input_ids, options=ForwardOptions(mode=mode, positions=position_ids, cache=kv,
                                                            key_mask=key_mask))
         logits = self.model.gather_logits(out.logits)
         loss = None
         if labels is not None:  # HF convention: labels aligned with input_ids, shifted here
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: past_key_values})

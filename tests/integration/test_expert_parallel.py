@@ -23,6 +23,7 @@ from megaroute.hf.reader import full_state_dict, locate, rank_state_dicts
 from megaroute.model import ForwardOptions, build_model
 from megaroute.train.signals import EXIT_OK
 
+from ..hf_generation import assert_cached_generation_equals_uncached
 from .conftest import losses, read_metrics, start_job
 from .test_tensor_parallel import final_parameters
 
@@ -119,7 +120,4 @@ def test_tp2_ep2_checkpoint_exports_to_hf_with_megaroute_logits(workdir, runs, t
     x = torch.randint(1, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(hf(x).logits, model(x, options=ForwardOptions(mode="causal")).logits, atol=1e-5,
                                rtol=0)
-    prompt = x[:1, :10]  # min_new_tokens: an early end-of-sequence would leave too few cached steps to compare
-    cached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=True)
-    uncached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=False)
-    assert cached.shape == (1, 22) and cached.tolist() == uncached.tolist()
+    assert_cached_generation_equals_uncached(hf, x[:1, :10], 12)

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from ..hf_generation import assert_cached_generation_equals_uncached
 from .conftest import BIN, REPO, start_job
 from .ports import free_port
 
@@ -87,9 +88,7 @@ def test_converted_and_audit_loaded_logits_equal_deepspeed_checkpoint(runs, name
     torch.testing.assert_close(audited(tokens, options=ForwardOptions(mode="causal")).logits, reference, atol=1e-4,
                                rtol=0)
     if name.startswith(("mod", "moe")):  # routed: cached decoding equals the full forward
-        prompt = tokens[:1, :10]
-        cached = hf.generate(prompt, max_new_tokens=24, do_sample=False)
-        assert cached.tolist() == hf.generate(prompt, max_new_tokens=24, do_sample=False, use_cache=False).tolist()
+        assert_cached_generation_equals_uncached(hf, tokens[:1, :10], 24)
 
 
 def test_tag_argument_and_unknown_tag(runs, tmp_path):

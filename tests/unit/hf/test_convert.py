@@ -23,6 +23,7 @@ from megaroute.model import ForwardOptions
 from megaroute.model.routing.calibration import QuantileCut, calibrate_thresholds
 from megaroute.parallel.layers import shard_dim
 
+from ...hf_generation import assert_cached_generation_equals_uncached, scramble_weights
 from ...lm_eval_tasks import multiple_choice_task
 
 REPO = str(Path(__file__).resolve().parents[3])
@@ -143,10 +144,13 @@ def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path
     logits = hf(batch, attention_mask=mask).logits
     torch.testing.assert_close(logits[0], hf(a).logits[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[1, 8:], hf(b).logits[0], atol=1e-5, rtol=0)
-    together = hf.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    scramble_weights(hf)  # tokens that follow their context (tests/hf_generation.py)
+    args = dict(min_new_tokens=12, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    together = hf.generate(batch, attention_mask=mask, **args)
     for row, seq in ((0, a), (1, b)):
-        alone = hf.generate(seq, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        alone = hf.generate(seq, **args)
         assert together[row, -12:].tolist() == alone[0, -12:].tolist(), row
+        assert alone.tolist() == hf.generate(seq, use_cache=False, **args).tolist(), row
 
 
 @pytest.mark.parametrize("method", ["none", "mod", "halting"])  # halting: its hard export
@@ -154,11 +158,7 @@ def test_left_padded_batch_generates_like_each_sequence_alone(make_run, tmp_path
 def test_generate_with_cache_equals_without(make_run, tmp_path, char_tok, method):
     run, _, _ = make_run(f"routing.method={method}", "routing.capacity=0.5", seed=3)
     hf = _load(_convert(run, tmp_path / "hf", char_tok))
-    prompt = torch.randint(0, 60, (1, 12))
-    cached = hf.generate(prompt, max_new_tokens=30, do_sample=False, use_cache=True)
-    uncached = hf.generate(prompt, max_new_tokens=30, do_sample=False, use_cache=False)
-    assert cached.shape == (1, 42)
-    assert cached.tolist() == uncached.tolist()
+    assert_cached_generation_equals_uncached(hf, torch.randint(1, 60, (1, 12)), 30)
 
 
 # Tiny MoE/MoDE variants (4 experts of 16 units, 2 routed blocks of 4) covering both routers and both MoDEs;
@@ -199,10 +199,7 @@ def test_moe_and_mode_export_calibrated_thresholds_logits_and_cached_generation(
     if cuts:  # the thresholds route: some tokens (expert choice: token-expert pairs) are left out
         assert 0 < min(out.executed.values() or [0.5]) and max(out.executed.values() or [0.5]) < 1, out.executed
     prompt = torch.randint(1, 60, (1, 10))  # no pad id (0) in the prompt: generate would mask it
-    # min_new_tokens: an early end-of-sequence would leave too few cached steps to compare.
-    cached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=True)
-    uncached = hf.generate(prompt, min_new_tokens=12, max_new_tokens=12, do_sample=False, use_cache=False)
-    assert cached.shape == (1, 22) and cached.tolist() == uncached.tolist()
+    assert_cached_generation_equals_uncached(hf, prompt, 12)
 
 
 def test_tp_merge_joins_shards_and_keeps_one_copy_of_replicated_tp_layers(make_config):
