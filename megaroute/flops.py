@@ -84,6 +84,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import Config, ModelConfig, RoutingConfig
+from .kernels import cpu_linear
 from .model.routing import METHODS, block_flops, method_spec
 from .model.routing.spec import block_recompute
 
@@ -358,6 +359,30 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch
     return 2 * n**3 / best
 
 
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cpu_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The CPU GEMMs whose best is the measured peak: torch's matmul (MKL's sgemm in float32, oneDNN
+    in bf16), and in float32 oneDNN's (kernels/cpu_linear.py), which megaroute's float32 linears use:
+    MFU is then measured against the faster GEMM this machine has, not the slower one."""
+    gemms = {"torch mm": torch.matmul}
+    probe = torch.empty(2, 2, dtype=dtype)
+    if cpu_linear.usable(probe, probe):
+        gemms["oneDNN"] = cpu_linear.matmul
+    return gemms
+
+
+def cpu_rank_peak(precision: str = "fp32", ranks: int = 1, n: int = 1024) -> float:
+    """Peak FLOP/s of one of `ranks` CPU ranks sharing this machine: its share of `cpu_peak_flops` (the
+    cores at CPU_GHZ), or the n^3 matmul rate this process achieves (cpu_gemms, best of 3) where that is
+    higher. A CPU that clocks above CPU_GHZ outruns the estimate (2 AMD EPYC cores: 320 GFLOP/s
+    estimated, 445-465 measured through oneDNN), and MFU against it read over 100%."""
+    dtype = CPU_DTYPES[precision]
+    achieved = max(measure_matmul_flops(dtype, n=n, iters=3, matmul=gemm) for gemm in cpu_gemms(dtype).values())
+    return max(cpu_peak_flops(precision=precision) / ranks, achieved)
+
+
 def peak_flops(device: Optional[str] = None, precision: str = "fp32") -> float:
     """Peak FLOP/s of one device.
 
@@ -377,6 +402,6 @@ def peak_flops(device: Optional[str] = None, precision: str = "fp32") -> float:
 
 __all__ = [
     "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
-    "cpu_flops_per_cycle", "cpu_peak_flops", "estimate_flops", "flops_per_token", "measure_matmul_flops", "mfu",
-    "peak_flops", "training_proxy",
+    "cpu_flops_per_cycle", "cpu_gemms", "cpu_peak_flops", "cpu_rank_peak", "estimate_flops", "flops_per_token",
+    "measure_matmul_flops", "mfu", "peak_flops", "training_proxy",
 ]

@@ -88,7 +88,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..argtypes import non_negative_int, positive_float, positive_int
 from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
-from ..flops import flops_per_token, measure_matmul_flops, peak_flops
+from ..flops import cpu_gemms, flops_per_token, measure_matmul_flops, peak_flops
 from ..kernels import cpu_linear
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds
@@ -281,7 +281,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
           variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048
           ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
-    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: peak_gemms, CPU: the
+    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: flops.cpu_gemms, CPU: the
     process's minor page faults in each timed step of each variant).
 
     CPU: one step of every variant per round, rounds repeated, and one timed matmul of each GEMM
@@ -303,7 +303,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
                 for name, (shape, r) in variants.items()}
     dtype = AMP_DTYPES.get(precision, torch.float32)
-    gemms = peak_gemms(dtype)
+    gemms = cpu_gemms(dtype)
     peaks: dict[str, list[float]] = {gemm: [] for gemm in gemms}
     faults: dict[str, list[int]] = {name: [] for name in variants}
     for i in range(warmup + steps):
@@ -316,17 +316,6 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
         for gemm, matmul in gemms.items() if i >= warmup else ():
             peaks[gemm].append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock, matmul=matmul))
     return times, peaks, faults
-
-
-def peak_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """The CPU GEMMs whose best is the measured peak: torch's matmul (MKL's sgemm in float32, oneDNN
-    in bf16), and in float32 oneDNN's (kernels/cpu_linear.py), which megaroute's float32 linears use:
-    MFU is then measured against the faster GEMM this machine has, not the slower one."""
-    gemms = {"torch mm": torch.matmul}
-    probe = torch.empty(2, 2, dtype=dtype)
-    if cpu_linear.usable(probe, probe):
-        gemms["oneDNN"] = cpu_linear.matmul
-    return gemms
 
 
 class Profiled(NamedTuple):

@@ -26,7 +26,7 @@ from ..data import INDEX_FILE, DataError
 from ..data.loader import PackedDataset, SequenceLoader
 from ..data.prepare import preflight, prepare
 from ..data.tokenizers import load_tokenizer
-from ..flops import config_flops, flops_per_token, peak_flops, training_proxy
+from ..flops import config_flops, cpu_rank_peak, flops_per_token, peak_flops, training_proxy
 from ..memory import MemoryFitError, local_ranks
 from ..memory import preflight as memory_preflight
 from ..model import build_model
@@ -73,11 +73,12 @@ def _seed_everything(seed: int) -> None:
 
 
 def _peak_flops(cfg: Config, env: DistEnv) -> float:
-    """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak."""
+    """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak, or
+    measure what their GEMMs reach where that is more (flops.cpu_rank_peak)."""
     if cfg.train.peak_flops:
         return cfg.train.peak_flops
     if env.device == "cpu":
-        return peak_flops("cpu", cfg.train.precision) / int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        return cpu_rank_peak(cfg.train.precision, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
     try:
         return peak_flops(None)
     except ValueError as e:  # a GPU missing from the table must not stop training: MFU is logged as NaN

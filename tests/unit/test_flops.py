@@ -224,6 +224,26 @@ def test_mfu_and_peak_flops():
     assert peak_flops("cpu") > 0
 
 
+def test_a_cpu_ranks_peak_is_never_below_what_its_gemms_reach(monkeypatch):
+    """cpu_rank_peak: the rank's share of the cores' estimate, or the measured matmul rate where the CPU
+    outruns the estimate's clock (MFU against the estimate read over 100% on such a CPU)."""
+    from megaroute import flops
+
+    estimate = flops.cpu_peak_flops(precision="fp32")
+    measured = []
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype, **kw: measured.append(dtype) or rate)
+    rate = 1.0
+    assert flops.cpu_rank_peak("fp32", ranks=2) == estimate / 2
+    assert measured == [torch.float32] * len(flops.cpu_gemms(torch.float32))
+    rate = 3 * estimate
+    assert flops.cpu_rank_peak("fp32", ranks=2) == rate
+    measured.clear()
+    flops.cpu_rank_peak("bf16")
+    assert measured == [torch.bfloat16]
+    monkeypatch.undo()
+    assert flops.cpu_rank_peak("fp32", n=64) >= estimate  # the real GEMMs, tiny
+
+
 def test_cpu_peak_follows_the_instruction_set_and_precision():
     from megaroute.flops import CPU_GHZ, cpu_flops_per_cycle, cpu_peak_flops
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from megaroute.bench import step
 from megaroute.config import ModelConfig
 from megaroute.config.schema import MoEConfig
-from megaroute.flops import flops_per_token, measure_matmul_flops
+from megaroute.flops import cpu_gemms, flops_per_token, measure_matmul_flops
 from megaroute.kernels import cpu_linear
 from megaroute.model import build_model
 from megaroute.parallel import ColumnParallelLinear, RowParallelLinear
@@ -274,12 +274,12 @@ def test_measured_matmul_peak_is_positive():
 def test_peak_gemms_time_the_gemm_the_linears_use():
     """float32: torch's mm and oneDNN's (megaroute's float32 CPU linears, kernels/cpu_linear.py),
     each computing a @ b; bf16 runs through torch's matmul (oneDNN already) only."""
-    gemms = step.peak_gemms(torch.float32)
+    gemms = cpu_gemms(torch.float32)
     assert list(gemms) == ["torch mm", "oneDNN"]
     a, b = torch.randn(5, 7), torch.randn(7, 3)
     for matmul in gemms.values():
         torch.testing.assert_close(matmul(a, b), a @ b)
-    assert list(step.peak_gemms(torch.bfloat16)) == ["torch mm"]
+    assert list(cpu_gemms(torch.bfloat16)) == ["torch mm"]
 
 
 def test_torch_gemm_variant_is_dense_with_torchs_linears(small_shape):
