@@ -91,7 +91,7 @@ from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
 from ..flops import cpu_gemms, flops_per_token, measure_matmul_flops, peak_flops
 from ..kernels import cpu_linear
 from ..model import ForwardOptions, build_model
-from ..model.routing import calibrate_thresholds
+from ..model.routing import calibrate_thresholds, honest_routing_mode
 from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
@@ -563,7 +563,8 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
 def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtype, batch: int, prompt_len: int,
                    new_tokens: int, calibrate: bool = False, device: str = "cuda"
                    ) -> Optional[tuple[float, Optional[float]]]:
-    """Greedy decoding with the KV cache (causal routing): -> (new tokens/s over the batch, the fraction
+    """Greedy decoding with the KV cache, in the routing mode of the method's eval/loss (causal; hard for
+    halting, whose causal forward is the soft one that runs every block): -> (new tokens/s over the batch, the fraction
     of the decoded tokens that took the routed layers' budgeted path (ModelOutput.executed, averaged over
     the decoding steps and the routed layers), or None for a dense model), or None for a model that cannot decode
     with a cache (Transformer.decodes_incrementally: first_k). Random weights; with `calibrate`, the
@@ -581,14 +582,16 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     prompt = torch.randint(0, shape.vocab_size, (batch, prompt_len), device=device)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
+    mode = honest_routing_mode(routing.method)
+
     def decode() -> tuple[float, list[torch.Tensor]]:
         cache = model.new_cache()
-        logits = model(prompt, options=ForwardOptions(mode="causal", cache=cache)).logits[:, -1]
+        logits = model(prompt, options=ForwardOptions(mode=mode, cache=cache)).logits[:, -1]
         executed = []  # per decoding step, its routed layers' fractions (read after the clock stops)
         sync()
         t0 = time.perf_counter()
         for _ in range(new_tokens):
-            out = model(logits.argmax(-1, keepdim=True), options=ForwardOptions(mode="causal", cache=cache))
+            out = model(logits.argmax(-1, keepdim=True), options=ForwardOptions(mode=mode, cache=cache))
             logits = out.logits[:, -1]
             executed.extend(out.executed.values())
         sync()
@@ -634,7 +637,8 @@ def print_sampling(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]],
                    device: str) -> None:
     """Greedy KV-cache sampling speed of each variant (sampling_speed), and of MoD with its thresholds
     calibrated, against dense's."""
-    print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, causal routing, "
+    print(f"\ngreedy sampling with the KV cache ({str(dtype).removeprefix('torch.')} weights, each method's eval/loss "
+          "routing: causal, hard for halting; "
           f"batch {args.sample_batch}, {args.prompt_len}-token prompt + {args.new_tokens} new tokens; random weights; "
           f"{device})")
     # megaroute's own models: sampling_speed builds each variant's model anew (eager, fused math), so gpt2,

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from ..argtypes import positive_float
 from ..data import DataError
 from ..data.tokenizers import load_tokenizer
-from ..model.routing import method_spec
+from ..model.routing import honest_routing_mode
 from ..paths import dir_problem
 from .adapter import StateDictAdapter
 from .bundle import BundleError, bundle_sources
@@ -176,14 +176,6 @@ def _write_llama_config(src: CheckpointSource, out: str, tokenizer, dtype: torch
                                "tokenizer_sha256": tokenizer.hash}
     config.save_pretrained(out)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
-
-
-def honest_routing_mode(method: str) -> str:
-    """The routing mode of a method's eval/loss (MethodSpec.honest_mode): each token routed from its own
-    past at the compute the method spends, "causal", or "hard" for halting gates (whose "causal" forward
-    is the soft one: every token runs every block). Dense has no routing: "causal"."""
-    mode = method_spec(method).honest_mode
-    return "causal" if mode == "topk" else mode
 
 
 def convert(path: str, out: str, tag: Optional[str] = None, *, force: bool = False,

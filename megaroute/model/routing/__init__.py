@@ -23,7 +23,7 @@ from .halting import HALTING, HaltingLayer
 from .mod import MOD, MoDLayer
 from .moe import MODE_INTEGRATED, MODE_STAGED, MOE, IntegratedMoDELayer, MoELayer, StagedMoDELayer
 from .spec import (METHODS, AuditModes, LayerFlops, MethodSpec, block_flops, capacity_tokens, controller_modules,
-                   method_spec, register_method, unregister_method)
+                   honest_routing_mode, method_spec, register_method, unregister_method)
 
 # The registry: one line per routing method, in the order error messages list them.
 register_method(DENSE)
@@ -75,4 +75,5 @@ __all__ = ["AuditModes", "CapacityBaselineLayer", "DenseLayer", "DepthGateLayer"
            "IntegratedMoDELayer", "LayerFlops", "METHODS", "MethodSpec", "MoDLayer", "MoELayer", "QuantileCut",
            "RoutingContext", "StagedMoDELayer",
            "block_flops", "build_layer", "calibrate_thresholds", "capacity_tokens", "controller_modules", "freeze_base",
-           "is_controller_param", "method_spec", "register_method", "sync_quantile_cuts", "unregister_method"]
+           "honest_routing_mode", "is_controller_param", "method_spec", "register_method", "sync_quantile_cuts",
+           "unregister_method"]

@@ -177,6 +177,14 @@ def method_spec(name: str) -> MethodSpec:
     return METHODS[name]
 
 
+def honest_routing_mode(method: str) -> str:
+    """The routing mode of a method's eval/loss (MethodSpec.honest_mode): each token routed from its own
+    past at the compute the method spends, "causal", or "hard" for halting gates (whose "causal" forward
+    is the soft one: every token runs every block). Dense has no routing: "causal"."""
+    mode = method_spec(method).honest_mode
+    return "causal" if mode == "topk" else mode
+
+
 def controller_modules() -> set[str]:
     """Submodule names that make up a routing controller, over every registered method."""
     return {m for spec in METHODS.values() for m in spec.controller}

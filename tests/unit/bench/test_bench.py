@@ -122,6 +122,17 @@ def test_sampling_reports_what_the_timed_decoding_steps_ran(small_shape):
     assert step.sampling_speed(small_shape, step.VARIANTS["dense"], torch.float32, 1, 3, 2, device="cpu")[1] is None
 
 
+@pytest.mark.parametrize("variant,mode", [("halting", "hard"), ("mod", "causal"), ("dense", "causal")])
+def test_sampling_decodes_in_the_mode_of_the_methods_eval_loss(small_shape, monkeypatch, variant, mode):
+    """Halting decodes in hard mode, where gates skip tokens; its causal forward is the soft one that runs
+    every block for every token, not what the method's inference costs."""
+    modes = []
+    real = step.ForwardOptions
+    monkeypatch.setattr(step, "ForwardOptions", lambda **kw: modes.append(kw["mode"]) or real(**kw))
+    step.sampling_speed(small_shape, step.VARIANTS[variant], torch.float32, 1, 3, 2, device="cpu")
+    assert modes and set(modes) == {mode}
+
+
 def test_calibrated_sampling_runs_the_budget(small_shape):
     """Sampling with `calibrate` (the CUDA path's mod_calibrated row, here on CPU): the causal thresholds
     come from calibrate_thresholds, as before an evaluation, so the routed blocks run about the
