@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from megaroute.data.tokenizers import CharTokenizer
-from megaroute.hf.convert import convert, honest_routing_mode
+from megaroute.hf.convert import convert
 from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
+from megaroute.model.routing import honest_routing_mode
 
 from ..lm_eval_tasks import multiple_choice_task
 from .conftest import REPO

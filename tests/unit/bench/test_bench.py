@@ -282,7 +282,7 @@ def test_measured_matmul_peak_is_positive():
     assert measure_matmul_flops(torch.float32, n=64, iters=1, matmul=cpu_linear.matmul) > 0
 
 
-def test_peak_gemms_time_the_gemm_the_linears_use():
+def test_cpu_gemms_time_the_gemm_the_linears_use():
     """float32: torch's mm and oneDNN's (megaroute's float32 CPU linears, kernels/cpu_linear.py),
     each computing a @ b; bf16 runs through torch's matmul (oneDNN already) only."""
     gemms = cpu_gemms(torch.float32)
