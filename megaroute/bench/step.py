@@ -564,12 +564,13 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
                    new_tokens: int, calibrate: bool = False, device: str = "cuda"
                    ) -> Optional[tuple[float, Optional[float]]]:
     """Greedy decoding with the KV cache, in the routing mode of the method's eval/loss (causal; hard for
-    halting, whose causal forward is the soft one that runs every block): -> (new tokens/s over the batch, the fraction
-    of the decoded tokens that took the routed layers' budgeted path (ModelOutput.executed, averaged over
-    the decoding steps and the routed layers), or None for a dense model), or None for a model that cannot decode
-    with a cache (Transformer.decodes_incrementally: first_k). Random weights; with `calibrate`, the
-    causal thresholds are set as training sets them before every evaluation (calibrate_thresholds, on
-    four random sequences), so causal routing runs the configured budget as a trained model's does."""
+    halting, whose causal forward is the soft one that runs every block) -> (new tokens/s over the batch,
+    the fraction of the decoded tokens that took the routed layers' budgeted path: ModelOutput.executed,
+    averaged over the decoding steps and the routed layers, None for a dense model); None for a model
+    that cannot decode with a cache (Transformer.decodes_incrementally: first_k). Random weights; with
+    `calibrate`, the causal thresholds are set as training sets them before every evaluation
+    (calibrate_thresholds, on four random sequences), so causal routing runs the configured budget as a
+    trained model's does."""
     torch.manual_seed(0)
     model = build_model(shape, routing).eval()
     if not model.decodes_incrementally:
