@@ -7,7 +7,8 @@ finder is never installed there: the script first checks that `import megaroute`
 converted dense model loads as a native Llama without trust_remote_code, the converted MoD,
 depth-gate, halting and MoE models load with it (their remote code is the bundle generated from
 megaroute's source), each gives megaroute's logits (max abs diff <= 1e-5, fp32), greedy generation
-with the cache equals generation without it, and lm-eval (its HF model class on the loaded model) runs on a local task this test writes.
+with the cache equals generation without it, and lm-eval (its HF model class on the loaded model) runs on a local
+task this test writes, its log-likelihoods those of the model's own logits.
 """
 
 import json
@@ -44,6 +45,7 @@ else:
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from lm_eval.evaluator import evaluate
+from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager, get_task_dict
 
@@ -56,8 +58,19 @@ for method, path in models.items():
     with torch.no_grad():
         logits[method] = hf(tokens).logits
     # lm-eval's HF model class on the loaded model and the directory's own tokenizer (right padding).
-    lm = HFLM(pretrained=hf, tokenizer=AutoTokenizer.from_pretrained(path), batch_size=2, device="cpu")
+    tok = AutoTokenizer.from_pretrained(path)
+    lm = HFLM(pretrained=hf, tokenizer=tok, batch_size=2, device="cpu")
     results = evaluate(lm=lm, task_dict=task_dict)
+    # lm-eval's log-likelihoods against the model's own log-softmax over context + continuation
+    pairs = [("First Citizen:\nYou are all resolved rather to", " die"), ("Speak, speak", "!")]
+    scored = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+                               for i, pair in enumerate(pairs)])
+    gaps = []
+    for (context, continuation), (ll, _) in zip(pairs, scored):
+        c, t = tok(context)["input_ids"], tok(continuation)["input_ids"]
+        with torch.no_grad():
+            lp = hf(torch.tensor([c + t])).logits.float().log_softmax(-1)[0]
+        gaps.append(abs(ll - sum(lp[len(c) - 1 + j, t[j]].item() for j in range(len(t)))))
     with torch.no_grad():  # then generation, the weights redrawn so that tokens follow their context
         gen = torch.Generator().manual_seed(0)  # (tests/hf_generation.py, which this venv cannot import)
         for p in hf.parameters():
@@ -69,7 +82,7 @@ for method, path in models.items():
         uncached = hf.generate(prompt, use_cache=False, **args)
     report[method] = {"class": type(hf).__name__, "acc": results["results"]["megaroute_tiny"]["acc,none"],
                       "cache_equal": cached.tolist() == uncached.tolist(),
-                      "distinct_tokens": len(set(uncached[0, -16:].tolist()))}
+                      "distinct_tokens": len(set(uncached[0, -16:].tolist())), "loglikelihood_gap": max(gaps)}
 torch.save(logits, out_path)
 assert not [m for m in sys.modules if m == "megaroute" or m.startswith("megaroute.")]
 print("REPORT", json.dumps(report))
@@ -121,6 +134,6 @@ def test_converted_models_in_a_fresh_venv_without_megaroute(tmp_path, make_model
         expected = "LlamaForCausalLM" if method == "none" else "MegarouteForCausalLM"
         assert report[method]["class"] == expected, report
         assert report[method]["cache_equal"] and report[method]["distinct_tokens"] >= 3, (method, report)
-        assert 0.0 <= report[method]["acc"] <= 1.0, report
+        assert 0.0 <= report[method]["acc"] <= 1.0 and report[method]["loglikelihood_gap"] <= 1e-4, report
         assert (theirs[method] - ours[method]).abs().max() <= 1e-5, method
     assert sys.executable != python
