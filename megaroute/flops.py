@@ -359,7 +359,8 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str | torch
     return 2 * n**3 / best
 
 
-CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# train.precision -> the dtype its matmuls run in
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_gemms(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -378,7 +379,7 @@ def cpu_rank_peak(precision: str = "fp32", ranks: int = 1, n: int = 1024) -> flo
     cores at CPU_GHZ), or the n^3 matmul rate this process achieves (cpu_gemms, best of 3) where that is
     higher. A CPU that clocks above CPU_GHZ outruns the estimate (2 AMD EPYC cores: 320 GFLOP/s
     estimated, 445-465 measured through oneDNN), and MFU against it read over 100%."""
-    dtype = CPU_DTYPES[precision]
+    dtype = PRECISION_DTYPES[precision]
     achieved = max(measure_matmul_flops(dtype, n=n, iters=3, matmul=gemm) for gemm in cpu_gemms(dtype).values())
     return max(cpu_peak_flops(precision=precision) / ranks, achieved)
 
@@ -403,5 +404,5 @@ def peak_flops(device: Optional[str] = None, precision: str = "fp32") -> float:
 __all__ = [
     "BACKWARD_FACTOR", "COMPONENTS", "FlopsBreakdown", "NO_GRAD_COMPONENTS", "config_flops",
     "cpu_flops_per_cycle", "cpu_gemms", "cpu_peak_flops", "cpu_rank_peak", "estimate_flops", "flops_per_token",
-    "measure_matmul_flops", "mfu", "peak_flops", "training_proxy",
+    "measure_matmul_flops", "mfu", "peak_flops", "PRECISION_DTYPES", "training_proxy",
 ]

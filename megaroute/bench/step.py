@@ -88,7 +88,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..argtypes import non_negative_int, positive_float, positive_int
 from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
-from ..flops import cpu_gemms, flops_per_token, measure_matmul_flops, peak_flops
+from ..flops import PRECISION_DTYPES, cpu_gemms, flops_per_token, measure_matmul_flops, peak_flops
 from ..kernels import cpu_linear
 from ..model import ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds, honest_routing_mode
@@ -123,7 +123,7 @@ PHASES = ("forward", "backward", "optimizer")
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # megaroute/: host_report names call sites under it
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {name: dtype for name, dtype in PRECISION_DTYPES.items() if name != "fp32"}  # autocast's
 
 
 @dataclass
@@ -302,7 +302,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
         return times, {}, {}
     trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
                 for name, (shape, r) in variants.items()}
-    dtype = AMP_DTYPES.get(precision, torch.float32)
+    dtype = PRECISION_DTYPES[precision]
     gemms = cpu_gemms(dtype)
     peaks: dict[str, list[float]] = {gemm: [] for gemm in gemms}
     faults: dict[str, list[int]] = {name: [] for name in variants}
@@ -613,7 +613,7 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
           f"variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed steps; fp32 weights, "
           f"autocast, fused AdamW")
     for precision in args.precision:
-        dtype = AMP_DTYPES.get(precision, torch.float32)
+        dtype = PRECISION_DTYPES[precision]
         matmul = measure_matmul_flops(dtype, "cuda", n=8192, iters=20) / 1e12
         peak_text = f"{peak:.0f} TFLOP/s ({source})" if peak else source
         print(f"\npeak (dense 16-bit tensor cores): {peak_text}; measured {precision} matmul 8192^3: "
@@ -631,7 +631,7 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants, device="cuda")
     if args.sample:
-        print_sampling(args, variants, AMP_DTYPES.get(args.precision[0], torch.float32), "cuda")
+        print_sampling(args, variants, PRECISION_DTYPES[args.precision[0]], "cuda")
 
 
 def print_sampling(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]], dtype: torch.dtype,
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants)
     if args.sample:
-        print_sampling(args, variants, AMP_DTYPES.get(args.precision[0], torch.float32), "cpu")
+        print_sampling(args, variants, PRECISION_DTYPES[args.precision[0]], "cpu")
     return 0
 
 
