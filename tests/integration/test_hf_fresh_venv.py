@@ -11,6 +11,7 @@ with the cache equals generation without it, and lm-eval (its HF model class on 
 task this test writes, its log-likelihoods those of the model's own logits.
 """
 
+import inspect
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from megaroute.hf.synthetic import write_checkpoint
 from megaroute.model import ForwardOptions
 from megaroute.model.routing import honest_routing_mode
 
+from .. import hf_generation
 from ..lm_eval_tasks import multiple_choice_task
 from .conftest import REPO
 
@@ -71,11 +73,8 @@ for method, path in models.items():
         with torch.no_grad():
             lp = hf(torch.tensor([c + t])).logits.float().log_softmax(-1)[0]
         gaps.append(abs(ll - sum(lp[len(c) - 1 + j, t[j]].item() for j in range(len(t)))))
-    with torch.no_grad():  # then generation, the weights redrawn so that tokens follow their context
-        gen = torch.Generator().manual_seed(0)  # (tests/hf_generation.py, which this venv cannot import)
-        for p in hf.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    scramble_weights(hf)  # then generation, on tokens that follow their context (tests/hf_generation.py)
+    with torch.no_grad():
         prompt = tokens[:1, :12]
         args = dict(min_new_tokens=16, max_new_tokens=16, do_sample=False)
         cached = hf.generate(prompt, **args)
@@ -124,7 +123,9 @@ def test_converted_models_in_a_fresh_venv_without_megaroute(tmp_path, make_model
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"))
-    res = subprocess.run([python, "-c", SCRIPT, json.dumps(models), str(tmp_path / "tokens.pt"),
+    # tests/hf_generation.py (torch only) goes in first: the venv cannot import this repository's files
+    script = inspect.getsource(hf_generation) + SCRIPT
+    res = subprocess.run([python, "-c", script, json.dumps(models), str(tmp_path / "tokens.pt"),
                           str(tmp_path / "theirs.pt"), str(multiple_choice_task(tmp_path))],
                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
