@@ -46,10 +46,10 @@ delta of its k tokens (k x d, for the gate's gradient, in delta's dtype: the PyT
 as the Triton one does, where autograd's product kept a float32 copy in 16-bit training). The head
 keeps the final norm's two tensors (2d) plus the logits (returned to the caller, so alive until
 backward) and what the loss saves (vocab-parallel cross-entropy: an fp32 log-softmax; the chunked
-loss on returned logits: a logsumexp per row). Training on CPU without TP (below ZeRO-3) runs the LM head inside the loss
-(model/lm_loss.py): no logits are kept, only the final norm's input, the hidden state's gradient
-(T x d) and the head weight's float32 gradient (once per forward, not per token), all computed in
-forward.
+loss on returned logits: a logsumexp per row). Training on CPU without TP (below ZeRO-3) runs the
+LM head inside the loss (model/lm_loss.py): no logits are kept, only the final norm's input, the
+hidden state's gradient (T x d) and the head weight's float32 gradient (once per forward, not per
+token), all computed in forward.
 With full activation checkpointing only each layer's input is kept, plus one layer's activations
 while it is recomputed. Allocator fragmentation (CUDA reserved vs allocated) is not modeled.
 """
