@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e '.[dev]'
 	$(PY) -c 'from megaroute.kernels import cpu; cpu.main()'  # JIT-builds the fused CPU kernels once (~30 s)
+	# DeepSpeed's CPU comm op (~25 s), built now rather than by the first CPU launch (a demo run or a test).
+	DS_ACCELERATOR=cpu $(PY) -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' \
+	  || echo "DeepSpeed's CPU comm op did not build now; the first CPU launch will try again"
 	touch $@
 
 # Debian packages the test-suite needs (only when run as root; otherwise they must be present).

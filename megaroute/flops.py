@@ -378,9 +378,17 @@ def cpu_rank_peak(precision: str = "fp32", ranks: int = 1, n: int = 1024) -> flo
     """Peak FLOP/s of one of `ranks` CPU ranks sharing this machine: its share of `cpu_peak_flops` (the
     cores at CPU_GHZ), or the n^3 matmul rate this process achieves (cpu_gemms, best of 3) where that is
     higher. A CPU that clocks above CPU_GHZ outruns the estimate (2 AMD EPYC cores: 320 GFLOP/s
-    estimated, 445-465 measured through oneDNN), and MFU against it read over 100%."""
+    estimated, 445-465 measured through oneDNN), and MFU against it read over 100%.
+
+    With one torch thread (a rank per core) the matmuls are timed in this thread's CPU time: a rank
+    measures at start-up, beside its own MLflow writer and the other ranks' start-up work, and in wall
+    time a fresh `make demo` had rank 0 measure under half its rate, so its MFU was read against the
+    estimate (37% where its other runs read 26%). With more threads, wall time (CPU time would count
+    only this thread's share of the work)."""
     dtype = PRECISION_DTYPES[precision]
-    achieved = max(measure_matmul_flops(dtype, n=n, iters=3, matmul=gemm) for gemm in cpu_gemms(dtype).values())
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    achieved = max(measure_matmul_flops(dtype, n=n, iters=3, matmul=gemm, clock=clock)
+                   for gemm in cpu_gemms(dtype).values())
     return max(cpu_peak_flops(precision=precision) / ranks, achieved)
 
 

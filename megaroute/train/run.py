@@ -382,7 +382,13 @@ def _client_state(cfg: Config, state: TrainState, loader: SequenceLoader, summar
 def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager: CheckpointManager,
                summary: LossSummary, tracker: Optional[MLflowTracker], client_state: Callable[[], dict]) -> list:
     dp_size = layout.dp
-    callbacks = [SpeedMeter(_peak_flops(cfg, env) * env.world_size), summary,
+    peak = _peak_flops(cfg, env)
+    if env.is_main and peak > 0:  # the denominator of perf/mfu, which a reader cannot see in the figure
+        source = "train.peak_flops" if cfg.train.peak_flops else (
+            "this rank's measured GEMM rate, or its share of the cores' estimate where higher"
+            if env.device == "cpu" else "the device's 16-bit tensor-core datasheet peak")
+        print(f"perf/mfu: against {peak / 1e9:,.1f} GFLOP/s per rank ({source}), x {env.world_size} ranks", flush=True)
+    callbacks = [SpeedMeter(peak * env.world_size), summary,
                  BudgetCheck(tracker, print_fn=print if env.is_main else lambda *a, **k: None)]
     if method_spec(cfg.routing.method).syncs_state and dp_size > 1:
         callbacks.insert(0, RoutingStateSync(model, layout.get_data_parallel_group()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -38,6 +39,7 @@ def reference(workdir, char_data):
             job = start_job(workdir, char_data, "configs/tiny_mod.yaml", f"train.max_steps={STEPS}",
                             f"optim.zero_stage={stage}", "checkpoint.interval=1000", name=f"ref_zero{stage}")
             assert job.wait() == EXIT_OK, job.output()[-3000:]
+            assert re.search(r"perf/mfu: against [\d,.]+ GFLOP/s per rank \(.+\), x 2 ranks", job.output())
             cache[stage] = losses(workdir / "runs" / f"ref_zero{stage}")
             assert sorted(cache[stage]) == list(range(1, STEPS + 1))
         return cache[stage]

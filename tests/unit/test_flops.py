@@ -244,6 +244,27 @@ def test_a_cpu_ranks_peak_is_never_below_what_its_gemms_reach(monkeypatch):
     assert flops.cpu_rank_peak("fp32", n=64) >= estimate  # the real GEMMs, tiny
 
 
+def test_a_one_thread_ranks_peak_is_timed_in_its_own_cpu_time(monkeypatch):
+    """A rank measures its peak at start-up beside its MLflow writer and the other ranks' start-up:
+    with one torch thread the matmuls are timed in this thread's CPU time, which sharing the core
+    does not stretch; with more threads in wall time (CPU time would miss the other threads' work)."""
+    import time
+
+    from megaroute import flops
+
+    clocks = []
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype, clock, **kw: clocks.append(clock) or 1.0)
+    threads = torch.get_num_threads()
+    try:
+        for n, clock in ((1, time.thread_time), (2, time.perf_counter)):
+            torch.set_num_threads(n)
+            clocks.clear()
+            flops.cpu_rank_peak("fp32", ranks=2)
+            assert clocks and set(clocks) == {clock}, (n, clocks)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpu_peak_follows_the_instruction_set_and_precision():
     from megaroute.flops import CPU_GHZ, cpu_flops_per_cycle, cpu_peak_flops
 
