@@ -2,7 +2,9 @@
 
     megaroute compare --experiment isoflop RUN [RUN ...] [--metric eval/loss ...] [--x flops|step] [--out compare.png]
 
-RUN is a run name (unique in the experiment) or a run id. The tracking URI is --tracking-uri,
+RUN is a run name or a run id. A name that several runs share (a restart with checkpoint.resume=none,
+or `make demo` run again, starts a new run under the same name) means the latest started of them;
+the output says so and lists the others' ids. The tracking URI is --tracking-uri,
 else $MLFLOW_TRACKING_URI, else the local store runs/mlflow.db.
 
 The x axis is training FLOPs by default: runs of different sizes or routing spend different FLOPs
@@ -15,6 +17,7 @@ logged rate. `--x step` plots against the optimizer step instead.
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 
 import numpy as np
@@ -44,7 +47,9 @@ def run(args) -> int:
     out = out_file(args.out)  # before reading MLflow: a bad --out is refused first
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri("runs")
     metrics = args.metric or [names.TRAIN_LOSS, names.LOSS]
-    runs = find_runs(uri, args.experiment, args.runs)
+    runs, notes = find_runs(uri, args.experiment, args.runs)
+    for note in notes:
+        print(f"compare: {note}", file=sys.stderr)
     curves = {(run_id, key): metric_history(uri, run_id, key) for run_id, _ in runs for key in metrics}
     x = getattr(args, "x", "flops")
     plotted = curves

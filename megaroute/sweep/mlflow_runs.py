@@ -14,6 +14,7 @@ training). This module is for short-lived CLI commands, so it uses MlflowClient 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -227,26 +228,36 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
 
 
-def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> list[tuple[str, str]]:
-    """(run id, run name) for each requested run name or id, in the order given."""
+def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(run id, run name) for each requested run name or id, in the order given, and a note for each
+    name that several runs share: the latest started of them is taken (a restart with
+    checkpoint.resume=none, or `make demo` run again, starts a new run under the same name), and the
+    note names it and the others' ids, so that a plot of another is one id away."""
     client = _reader(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    by_name: dict[str, list[str]] = {}
+    by_name: dict[str, list] = {}
     names: dict[str, str] = {}
     for r in client.search_runs([exp.experiment_id], max_results=5000):
-        by_name.setdefault(r.info.run_name, []).append(r.info.run_id)
+        by_name.setdefault(r.info.run_name, []).append(r.info)
         names[r.info.run_id] = r.info.run_name
-    out = []
+    out, notes = [], []
     for key in names_or_ids:
         if key in names:
             out.append((key, names[key]))
-        elif len(by_name.get(key, [])) == 1:
-            out.append((by_name[key][0], key))
         elif key in by_name:
-            raise LookupError(f"run name {key!r} is ambiguous in {experiment!r} ({len(by_name[key])} runs); "
-                              f"pass a run id: {', '.join(by_name[key])}")
+            latest, *others = sorted(by_name[key], key=lambda info: info.start_time or 0, reverse=True)
+            out.append((latest.run_id, key))
+            if others:
+                notes.append(f"{len(others) + 1} runs in {experiment!r} are named {key!r}: taking the latest started, "
+                             f"{latest.run_id} ({_started(latest)}); pass an id for another: "
+                             + ", ".join(f"{o.run_id} ({_started(o)})" for o in others))
         else:
             raise LookupError(f"no run named {key!r} (nor with that id) in experiment {experiment!r}")
-    return out
+    return out, notes
+
+
+def _started(info) -> str:
+    return time.strftime("started %Y-%m-%d %H:%M:%S", time.localtime(info.start_time / 1000)) \
+        if info.start_time else "start time unknown"

@@ -63,3 +63,27 @@ def test_compare_on_flops_refuses_runs_without_flops_history(tmp_path, capsys):
     assert main(args) == 1
     assert "no train/flops_seen history in old" in capsys.readouterr().err and not (tmp_path / "c.png").exists()
     assert main(args + ["--x", "step"]) == 0 and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_name_several_runs_share_means_the_latest_started_and_the_output_lists_the_others(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """`make demo` run twice, or a restart with checkpoint.resume=none, leaves runs of one name."""
+    uri, client, exp, ids = _runs(tmp_path)
+    start = client.get_run(ids["small"]).info.start_time
+    earlier = client.create_run(exp, run_name="small", start_time=start - 60_000).info.run_id
+    later = client.create_run(exp, run_name="small", start_time=start + 60_000).info.run_id
+    for step in (10, 20):
+        client.log_metric(later, "train/flops_seen", 1e9 * step, step=step)
+        client.log_metric(later, "eval/loss", 9.0, step=step)
+    seen = {}
+    monkeypatch.setattr(compare, "plot", lambda path, runs, metrics, curves, xlabel: seen.update(runs=runs))
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "small", "big", "--metric", "eval/loss"]) == 0
+    assert seen["runs"] == [(later, "small"), (ids["big"], "big")]
+    out, err = capsys.readouterr()
+    assert f"small ({later}): eval/loss=9.0000" in out
+    assert f"3 runs in 'exp' are named 'small': taking the latest started, {later}" in err
+    assert ids["small"] in err and earlier in err
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, earlier, "--x", "step"]) == 0  # an id: that run
+    assert seen["runs"] == [(earlier, "small")] and "named" not in capsys.readouterr().err
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "nope"]) == 1
+    assert "no run named 'nope'" in capsys.readouterr().err
