@@ -214,7 +214,7 @@ def print_method(args, method: str, kept: bool) -> None:
     for s in args.shapes:
         for r in bench_shape(s, args.fracs, args.repeats, method=method):
             note = "" if r["frac"] != 0.8 or method != "halting" else "  " + verdict(
-                r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET")
+                r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET", n=args.repeats)
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
                   f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "

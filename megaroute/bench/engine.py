@@ -86,7 +86,7 @@ def bench_model(shape: str, steps: int, warmup: int, batch: int) -> dict:
             "overhead": med(engine_cpu) / med(plain_cpu) - 1.0, "plain_wall_s": med(plain_wall),
             "engine_wall_s": med(engine_wall), "wall_overhead": med(engine_wall) / med(plain_wall) - 1.0,
             "rounds": describe(engine_cpu, plain_cpu), "wall_rounds": describe(engine_wall, plain_wall),
-            "per_round": per_round(engine_cpu, plain_cpu)}
+            "per_round": per_round(engine_cpu, plain_cpu), "n": len(engine_cpu)}
 
 
 def bench_logging(step_s: float, calls: int = 200) -> dict:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * r['overhead']:>8.1f}%   {r['plain_wall_s'] * 1e3:>8.1f}ms "
                   f"{r['engine_wall_s'] * 1e3:>9.1f}ms "
                   f"{100 * r['wall_overhead']:>8.1f}%  "
-                  f"{verdict(1 + r['overhead'], 1.05, r['per_round'], met='OK', missed='ABOVE 5% TARGET')}")
+                  f"{verdict(1 + r['overhead'], 1.05, r['per_round'], met='OK', missed='ABOVE 5% TARGET', n=r['n'])}")
             print(f"       engine / plain, CPU {r['rounds']}; wall {r['wall_rounds']}")
         log = bench_logging(rows[0]["engine_wall_s"])  # both wall clock
         print(f"MLflow logging: {log['log_s'] * 1e6:.0f} us per step = {100 * log['fraction']:.2f}% of the "

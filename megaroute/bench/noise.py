@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Optional
 
 
 def round_order(names: list, r: int) -> list:
@@ -32,13 +33,21 @@ def describe(numerator: list[float], denominator: list[float]) -> str:
     return f"per round: median {median:.3f}, interquartile {q1:.3f}-{q3:.3f} of {len(numerator)}"
 
 
+# Fewer timed rounds than this and the interquartile range says next to nothing about the noise
+MIN_ROUNDS = 3
+
+
 def verdict(value: float, target: float, rounds: tuple[float, float, float], at_most: bool = True,
-            met: str = "HOLDS", missed: str = "MISSED") -> str:
+            met: str = "HOLDS", missed: str = "MISSED", n: Optional[int] = None) -> str:
     """`met` or `missed` for value against target (value <= target when at_most, else >=), followed by
     a warning when the per-round interquartile range (per_round's q1, q3) reaches both sides of the
-    target: then the verdict is the noise's as much as the code's, and another run may flip it."""
+    target: then the verdict is the noise's as much as the code's, and another run may flip it. With
+    `n`, the number of rounds, under MIN_ROUNDS: a warning that it is too few to judge the noise (one
+    round's "range" is a point, and spans nothing)."""
     word = met if (value <= target if at_most else value >= target) else missed
     _, q1, q3 = rounds
-    if q1 <= target <= q3:
+    if n is not None and n < MIN_ROUNDS:
+        word += f" (only {n} round{'s' if n != 1 else ''}: too few to tell from the noise; time {MIN_ROUNDS} or more)"
+    elif q1 <= target <= q3:
         word += f" (within the noise: the per-round interquartile range {q1:.3f}-{q3:.3f} spans {target:.3f})"
     return word

@@ -466,7 +466,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
             for stat in (statistics.median, min) if name in total else ():
                 speedup = stat(total[REFERENCE]) / stat(total[name])
                 verdict = "" if target is None else \
-                    f" (target >= {target}) {noisy_verdict(speedup, target, rounds, at_most=False)}"
+                    f" (target >= {target}) {noisy_verdict(speedup, target, rounds, at_most=False, n=len(total[name]))}"
                 lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {speedup:.3f}x faster{verdict}")
             if name in total:
                 lines.append(f"         reference / {name}, {describe_rounds(total[REFERENCE], total[name])}")
@@ -478,7 +478,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
         ratios = ", ".join(f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}" for stat in (statistics.median, min))
         ratio = statistics.median(total[name]) / statistics.median(total[base])
         verdict = (f" (target <= {BASELINE_TARGET}) "
-                   f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]))}"
+                   f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]), n=len(total[name]))}"
                    if speedup_targets and TORCH_GEMM not in (name, base) else "")
         what = ("oneDNN's float32 GEMMs against torch's mm, the rest the same" if base == TORCH_GEMM else
                 f"nanoGPT's architecture, FLOPs ratio {flops[name] / flops[base]:.3f}"
@@ -490,7 +490,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
         rounds = per_round(total["mod"], total["dense"])
         for stat in (statistics.median, min):
             ratio = stat(total["mod"]) / stat(total["dense"])
-            verdict = noisy_verdict(ratio, TARGET * flops_ratio, rounds)
+            verdict = noisy_verdict(ratio, TARGET * flops_ratio, rounds, n=len(total["mod"]))
             lines.append(f"  {stat.__name__:<6} step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
                          f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
         lines.append(f"         mod / dense, {describe_rounds(total['mod'], total['dense'])}")

@@ -34,3 +34,15 @@ def test_verdict_warns_when_the_noise_spans_the_target():
     assert verdict(1.31, 1.3, (1.31, 1.28, 1.35), at_most=False).startswith("HOLDS (within the noise")
     assert verdict(1.2, 1.3, (1.2, 1.1, 1.25), at_most=False) == "MISSED"
     assert verdict(1.06, 1.05, (1.06, 1.06, 1.07), met="OK", missed="ABOVE 5% TARGET") == "ABOVE 5% TARGET"
+
+
+def test_a_verdict_from_too_few_rounds_says_so_rather_than_judging_the_noise():
+    """One round's interquartile "range" is a point: it spans nothing, so a verdict from one step read
+    as firm. Under MIN_ROUNDS the verdict says the rounds are too few; from MIN_ROUNDS on, as before."""
+    from megaroute.bench.noise import MIN_ROUNDS
+
+    assert verdict(1.06, 1.05, (1.06, 1.06, 1.06), n=1) == (
+        f"MISSED (only 1 round: too few to tell from the noise; time {MIN_ROUNDS} or more)")
+    assert verdict(0.88, 0.9, (0.88, 0.85, 0.92), n=MIN_ROUNDS - 1).startswith("HOLDS (only 2 rounds")
+    assert verdict(0.88, 0.9, (0.88, 0.85, 0.92), n=MIN_ROUNDS).startswith("HOLDS (within the noise")
+    assert verdict(0.88, 0.9, (0.88, 0.86, 0.89), n=MIN_ROUNDS) == "HOLDS"
