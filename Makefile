@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Most tests run one thread (tests/conftest.py), so 2 workers use both cores of the CI machine.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test gpu-check gpu-suite system-deps clean
+.PHONY: install demo test gpu-check gpu-suite offline-wheels system-deps clean
 
 install: $(STAMP)
 
@@ -64,6 +64,20 @@ gpu-suite:
 	MEGAROUTE_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda $(GPU_TESTS) $(GPU_PYTEST_ARGS)
 	$(PY) -m megaroute.bench.step --device cuda
 	$(PY) -m megaroute.kernels.bench --dtype bfloat16 float16 float32
+
+# Wheels, into .whl/, of what an offline GPU node's Python may lack for `make gpu-suite`: DeepSpeed
+# (pure Python: its ops build at run time) and its needs that CUDA images rarely hold, at the
+# versions this venv has (pydantic_core must match pydantic). There: pip install --no-index --no-deps
+# --target DIR .whl/*.whl, then PYTHONPATH=DIR:. PATH=DIR/bin:$$PATH make gpu-suite PY=python3.
+OFFLINE_PYTHON ?= 3.12
+OFFLINE_WHEELS := deepspeed hjson pydantic pydantic-core annotated-types typing-inspection
+offline-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	pins=$$($(PY) -c 'import sys; from importlib.metadata import version; print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' $(OFFLINE_WHEELS)) && \
+	  $(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir .whl $$(echo $$pins | tr ' ' '\n' | grep '^deepspeed==') && \
+	  $(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(OFFLINE_PYTHON) --implementation cp \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $$(echo $$pins | tr ' ' '\n' | grep -v '^deepspeed==')
+	ls .whl
 
 clean:
 	rm -rf $(VENV) runs *.egg-info data/prepared
