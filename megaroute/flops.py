@@ -384,8 +384,7 @@ def cpu_rank_peak(precision: str = "fp32", ranks: int = 1, n: int = 1024) -> flo
     measures at start-up, beside start-up work (its MLflow writer process's imports among it), and in
     wall time, in each of two fresh `make demo`s rank 0 of one run measured under its share of the
     estimate, and MFU was read against the estimate (dense 53.6% where 36.6-37.6%; MoD 36.9% where
-    26-28%). With more threads, wall time (CPU time would count
-    only this thread's share of the work)."""
+    26-28%). With more threads, wall time (CPU time would count only this thread's share of the work)."""
     dtype = PRECISION_DTYPES[precision]
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     achieved = max(measure_matmul_flops(dtype, n=n, iters=3, matmul=gemm, clock=clock)
