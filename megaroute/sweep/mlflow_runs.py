@@ -14,6 +14,7 @@ training). This module is for short-lived CLI commands, so it uses MlflowClient 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -199,14 +200,7 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    runs, token = [], None
-    while True:
-        page = client.search_runs([exp.experiment_id], f"tags.{TAG_SWEEP} = '{sweep}'", max_results=1000,
-                                  page_token=token)
-        runs += list(page)
-        token = page.token
-        if not token:
-            break
+    runs = _search(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {_quoted(sweep)}")
     parents = sorted((r for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), key=lambda r: r.info.start_time)
     parent = parents[0].info.run_id if parents else None  # the one find_parent_run opens
     results = []
@@ -232,30 +226,46 @@ def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> tuple[list[
     """(run id, run name) for each requested run name or id, in the order given, and a note for each
     name that several runs share: the latest started of them is taken (a restart with
     checkpoint.resume=none, or `make demo` run again, starts a new run under the same name), and the
-    note names it and the others' ids, so that a plot of another is one id away."""
+    note names it and the others' ids, so that a plot of another is one id away. Each key is looked
+    up by itself (the store filters), so an experiment's size sets no limit."""
     client = _reader(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    by_name: dict[str, list] = {}
-    names: dict[str, str] = {}
-    for r in client.search_runs([exp.experiment_id], max_results=5000):
-        by_name.setdefault(r.info.run_name, []).append(r.info)
-        names[r.info.run_id] = r.info.run_name
     out, notes = [], []
     for key in names_or_ids:
-        if key in names:
-            out.append((key, names[key]))
-        elif key in by_name:
-            latest, *others = sorted(by_name[key], key=lambda info: info.start_time or 0, reverse=True)
-            out.append((latest.run_id, key))
-            if others:
-                notes.append(f"{len(others) + 1} runs in {experiment!r} are named {key!r}: taking the latest started, "
-                             f"{latest.run_id} ({_started(latest)}); pass an id for another: "
-                             + ", ".join(f"{o.run_id} ({_started(o)})" for o in others))
-        else:
+        by_id = [r.info for r in _search(client, exp.experiment_id, f"attributes.run_id = '{key}'")] \
+            if re.fullmatch(r"[0-9a-f]{32}", key) else []
+        if by_id:
+            out.append((key, by_id[0].run_name))
+            continue
+        named = sorted((r.info for r in _search(client, exp.experiment_id, f"attributes.run_name = {_quoted(key)}")),
+                       key=lambda info: info.start_time or 0, reverse=True)
+        if not named:
             raise LookupError(f"no run named {key!r} (nor with that id) in experiment {experiment!r}")
+        latest, *others = named
+        out.append((latest.run_id, key))
+        if others:
+            notes.append(f"{len(named)} runs in {experiment!r} are named {key!r}: taking the latest started, "
+                         f"{latest.run_id} ({_started(latest)}); pass an id for another: "
+                         + ", ".join(f"{o.run_id} ({_started(o)})" for o in others))
     return out, notes
+
+
+def _quoted(value: str) -> str:
+    """value as a string literal of MLflow's search filter (which takes either quote)."""
+    return f'"{value}"' if "'" in value else f"'{value}'"
+
+
+def _search(client, experiment_id: str, filter_string: str) -> list:
+    """Every run of the experiment that filter_string matches, page by page."""
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], filter_string, max_results=1000, page_token=token)
+        runs += list(page)
+        token = page.token
+        if not token:
+            return runs
 
 
 def _started(info) -> str:

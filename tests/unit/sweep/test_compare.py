@@ -87,3 +87,6 @@ def test_a_name_several_runs_share_means_the_latest_started_and_the_output_lists
     assert seen["runs"] == [(earlier, "small")] and "named" not in capsys.readouterr().err
     assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "nope"]) == 1
     assert "no run named 'nope'" in capsys.readouterr().err
+    quoted = client.create_run(exp, run_name="bob's").info.run_id  # a quote in the name: the search filter holds
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "bob's", "--x", "step"]) == 0
+    assert seen["runs"] == [(quoted, "bob's")]
