@@ -36,6 +36,7 @@ from ..hf.modeling_megaroute import megaroute_sections
 from ..hf.reader import ConversionError, client_state, full_state_dict, locate
 from ..model import ForwardOptions, build_model
 from ..model.routing import METHODS, method_spec
+from ..sweep.mlflow_runs import search_all
 from ..train.checkpoint import CheckpointError, resolve_checkpoint
 from . import analysis, experts
 
@@ -372,13 +373,7 @@ def seed_report(uri: str, experiment: str, baseline: str = "dense", metric: str 
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ConfigError("", f"no MLflow experiment {experiment!r} at {uri}")
-    runs, token = [], None
-    while True:
-        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=token)
-        runs += list(page)
-        token = page.token
-        if not token:
-            break
+    runs = search_all(client, exp.experiment_id)
     left_out: list[dict] = []
 
     def leave_out(run, reason: str) -> None:

@@ -56,7 +56,7 @@ from ..train.mlflow_writer import create_sqlite_store
 from ..train.signals import EXIT_REQUEUE, StopSignal
 from ..train.tracking import config_uri, default_uri
 from . import report
-from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run
+from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run, search_all
 from .plan import TAG_ROLE, TAG_SWEEP, Point, plan
 from .spec import SweepSpec, SweepSpecError
 
@@ -136,14 +136,8 @@ def finished_run_names(uri: str, experiment: str, sweep: str) -> set[str]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return set()
-    names, token = set(), None
-    while True:
-        page = client.search_runs([exp.experiment_id], f"tags.{TAG_SWEEP} = '{sweep}' and attributes.status = "
-                                  "'FINISHED'", max_results=1000, page_token=token)
-        names |= {r.info.run_name for r in page if not r.data.tags.get(TAG_ROLE)}
-        token = page.token
-        if not token:
-            return names
+    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = '{sweep}' and attributes.status = 'FINISHED'")
+    return {r.info.run_name for r in runs if not r.data.tags.get(TAG_ROLE)}
 
 
 def _lock(spec: SweepSpec, runs_dir: str):

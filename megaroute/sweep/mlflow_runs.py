@@ -200,7 +200,7 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    runs = _search(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {_quoted(sweep)}")
+    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {_quoted(sweep)}")
     parents = sorted((r for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), key=lambda r: r.info.start_time)
     parent = parents[0].info.run_id if parents else None  # the one find_parent_run opens
     results = []
@@ -234,12 +234,12 @@ def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> tuple[list[
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
     out, notes = [], []
     for key in names_or_ids:
-        by_id = [r.info for r in _search(client, exp.experiment_id, f"attributes.run_id = '{key}'")] \
+        by_id = [r.info for r in search_all(client, exp.experiment_id, f"attributes.run_id = '{key}'")] \
             if re.fullmatch(r"[0-9a-f]{32}", key) else []
         if by_id:
             out.append((key, by_id[0].run_name))
             continue
-        named = sorted((r.info for r in _search(client, exp.experiment_id, f"attributes.run_name = {_quoted(key)}")),
+        named = sorted((r.info for r in search_all(client, exp.experiment_id, f"attributes.run_name = {_quoted(key)}")),
                        key=lambda info: info.start_time or 0, reverse=True)
         if not named:
             raise LookupError(f"no run named {key!r} (nor with that id) in experiment {experiment!r}")
@@ -257,8 +257,8 @@ def _quoted(value: str) -> str:
     return f'"{value}"' if "'" in value else f"'{value}'"
 
 
-def _search(client, experiment_id: str, filter_string: str) -> list:
-    """Every run of the experiment that filter_string matches, page by page."""
+def search_all(client, experiment_id: str, filter_string: str = "") -> list:
+    """Every run of the experiment that filter_string matches (all of them for ""), page by page."""
     runs, token = [], None
     while True:
         page = client.search_runs([experiment_id], filter_string, max_results=1000, page_token=token)
