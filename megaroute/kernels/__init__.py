@@ -7,6 +7,7 @@
     bench      `python -m megaroute.kernels.bench`
     cpu        fused CPU kernels for a block's elementwise work (SwiGLU, RoPE, RMSNorm), JIT-built C++
     cpu_linear float32 CPU linears with their GEMMs through oneDNN (the parallel layers, the LM loss)
+    functions  `apply`: a Function's forward run directly where autograd records nothing (inference)
 
 Routed layers reach these only through `megaroute.model.routing.dispatch.Dispatcher`, the RoPE through
 `compiled_cuda_ops` (CUDA tensors only). Importing this package does not import triton; `ops` is

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import functions
 from .backend import aten_required, op_registered
 
 
@@ -183,7 +184,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     elsewhere and with `fused` False (a module's switch, Transformer.set_fused)."""
     if not (fused and usable(x, weight, bias)):
         return F.linear(x, weight, bias)
-    return _LinearFunction.apply(x, weight, bias)
+    return functions.apply(_LinearFunction, x, weight, bias)
 
 
 class Linear(nn.Linear):

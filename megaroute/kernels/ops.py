@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import functions
 from . import triton_kernels as tk
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,7 +110,7 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     _check_device(x=x, idx=idx)
     if idx.shape[1] > x.shape[1]:
         raise ValueError(f"idx selects {idx.shape[1]} tokens from a sequence of {x.shape[1]}")
-    return _Gather.apply(x, idx)
+    return functions.apply(_Gather, x, idx)
 
 
 def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -126,14 +127,14 @@ def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Te
     if g.shape != (B, K):
         raise ValueError(f"g must have shape {(B, K)}, got {tuple(g.shape)}")
     _check_device(x=x, idx=idx, g=g, delta=delta)
-    return _Combine.apply(x, idx, g, delta)
+    return functions.apply(_Combine, x, idx, g, delta)
 
 
 def permute(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     _check_float("x", x, 3)
     slot = _check_index("slot", slot, tuple(x.shape[:2]))
     _check_device(x=x, slot=slot)
-    return _Permute.apply(x, slot)
+    return functions.apply(_Permute, x, slot)
 
 
 def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torch.Tensor,
@@ -153,7 +154,7 @@ def unpermute(h: torch.Tensor, slot: torch.Tensor, w: torch.Tensor, y_full: torc
         raise ValueError(f"y_full and y_cheap must hold B*T = {B * T} rows together, "
                          f"got {y_full.shape[0]} + {y_cheap.shape[0]}")
     _check_device(h=h, slot=slot, w=w, y_full=y_full, y_cheap=y_cheap)
-    return _Unpermute.apply(h, slot, w, y_full, y_cheap)
+    return functions.apply(_Unpermute, h, slot, w, y_full, y_cheap)
 
 
 # ----------------------------------------------------------------------------- E groups (MoE)
@@ -217,7 +218,7 @@ def permute_groups(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     _check_float("x", x, 2)
     src = _check_groups(src, x.shape[0])
     _check_device(x=x, src=src)
-    return _PermuteGroups.apply(x.contiguous(), src)
+    return functions.apply(_PermuteGroups, x.contiguous(), src)
 
 
 def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -229,7 +230,7 @@ def unpermute_groups(h: torch.Tensor, src: torch.Tensor, w: torch.Tensor, y: tor
         raise ValueError(f"w and y must have {src.shape[0]} rows (y with {h.shape[1]} features), "
                          f"got {tuple(w.shape)} and {tuple(y.shape)}")
     _check_device(h=h, src=src, w=w, y=y)
-    return _UnpermuteGroups.apply(h.contiguous(), src, w.contiguous(), y.contiguous())
+    return functions.apply(_UnpermuteGroups, h.contiguous(), src, w.contiguous(), y.contiguous())
 
 
 class _RotaryQKV(torch.autograd.Function):
@@ -271,7 +272,7 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple
     if not qkv.dtype == cos.dtype == sin.dtype:
         raise TypeError(f"rotary_qkv: qkv, cos and sin must share a dtype, got {qkv.dtype}, {cos.dtype}, {sin.dtype}")
     _check_device(qkv=qkv, cos=cos, sin=sin)
-    return _RotaryQKV.apply(qkv, cos, sin)
+    return functions.apply(_RotaryQKV, qkv, cos, sin)
 
 
 # ----------------------------------------------------------------------------- a block's elementwise work
@@ -313,7 +314,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     _check_rows("gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: gate_up's last dimension must be even (gate | up), got {tuple(gate_up.shape)}")
-    return _SwiGLU.apply(gate_up)
+    return functions.apply(_SwiGLU, gate_up)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -340,4 +341,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must be [{x.shape[-1]}] (x's last dimension), got {tuple(weight.shape)}")
     _check_device(x=x, weight=weight)
-    return _RMSNorm.apply(x, weight.contiguous(), float(eps))
+    return functions.apply(_RMSNorm, x, weight.contiguous(), float(eps))

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from . import functions
+
 
 def _acc(*tensors: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: float32, or wider if an input is wider."""
@@ -52,7 +54,7 @@ def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def combine(x: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    return _Combine.apply(x, flat_rows(idx, x.shape[1]), g, delta)
+    return functions.apply(_Combine, x, flat_rows(idx, x.shape[1]), g, delta)
 
 
 class _Combine(torch.autograd.Function):

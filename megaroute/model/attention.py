@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from ..kernels import cpu
+from ..kernels import cpu, functions
 from ..kernels.backend import op_registered
 from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
 from ..parallel.mappings import Group
@@ -189,14 +189,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     kernel, 3x their time)."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
-        return _CausalAttentionF32.apply(q, k, v)
+        return functions.apply(_CausalAttentionF32, q, k, v)
     if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if torch.compiler.is_compiling():
         return torch.ops.megaroute.blocked_attention(q, k, v)[0]
-    return _CausalAttention.apply(q, k, v)
+    return functions.apply(_CausalAttention, q, k, v)
 
 
 def _length_buckets(lengths: list[int], n_buckets: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import compiled_cuda_ops, cpu
+from ..kernels import compiled_cuda_ops, cpu, functions
 from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..parallel.mappings import Group
 
@@ -62,7 +62,7 @@ def swiglu(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
     CUDA) unless `fused` is False or torch.compile is tracing (inductor fuses the plain ops itself)."""
     if fused and not torch.compiler.is_compiling():
         ops = compiled_cuda_ops(gate_up)  # eager CUDA: strided halves ran in torch's slow elementwise path
-        return _SwiGLUFunction.apply(gate_up) if ops is None else ops.swiglu(gate_up)
+        return functions.apply(_SwiGLUFunction, gate_up) if ops is None else ops.swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import compiled_cuda_ops, cpu
+from ..kernels import compiled_cuda_ops, cpu, functions
 
 try:  # apex is optional and not on any package index.
     from apex.normalization import FusedRMSNorm as _ApexRMSNorm
@@ -82,5 +82,5 @@ class RMSNorm(nn.Module):
             if ops is not None:
                 return ops.rms_norm(x, self.weight, self.eps)
             if x.device.type == "cpu" and not torch.compiler.is_compiling():
-                return _RMSNormFunction.apply(x, self.weight, self.eps)
+                return functions.apply(_RMSNormFunction, x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

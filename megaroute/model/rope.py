@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels import compiled_cuda_ops, cpu
+from ..kernels import compiled_cuda_ops, cpu, functions
 
 
 class RotaryEmbedding(nn.Module):
@@ -139,7 +139,7 @@ def split_qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ops = compiled_cuda_ops(qkv, cos)
     if ops is not None and cos.shape[2] == 1:
         return ops.rotary_qkv(qkv, cos[:, :, 0].to(qkv.dtype), sin[:, :, 0].to(qkv.dtype))
-    return _SplitQKVRotary.apply(qkv, cos, sin)
+    return functions.apply(_SplitQKVRotary, qkv, cos, sin)
 
 
 class Positions:
