@@ -105,7 +105,9 @@ def start_job(workdir: Path, data_dir: str, config: str = "configs/tiny.yaml", *
     if launcher == "deepspeed":
         cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), script, *args]
     elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()), script, *args]
+        # --log-dir: torchrun's per-launch log folders, in /tmp otherwise, where each launch left one behind
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
+               "--log-dir", str(workdir / "torchelastic"), script, *args]
     else:
         cmd = [sys.executable, script, *args]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -52,6 +52,7 @@ def _reference_logits(run_dir, tokens, tmp_path):
     tokens_path, out = tmp_path / "tokens.pt", tmp_path / "ref.pt"
     torch.save(tokens, tokens_path)
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "--log-dir", str(tmp_path / "torchelastic"),  # not /tmp: each launch leaves its log folder
            str(REPO / "tests/integration/hf_reference.py"), str(run_dir), str(tokens_path), str(out)]
     res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
