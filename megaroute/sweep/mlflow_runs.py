@@ -21,7 +21,7 @@ from typing import Optional
 
 from .. import metric_names as names
 from ..config import ConfigError
-from ..train.mlflow_writer import sqlite_file
+from ..train.mlflow_writer import filter_literal, sqlite_file
 from .plan import ROLE_PARENT, TAG_ROLE, TAG_SWEEP
 
 ROLE_ANALYSIS = "analysis"
@@ -200,7 +200,10 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {_quoted(sweep)}")
+    literal = filter_literal(sweep)
+    if literal is None:
+        raise LookupError(f"sweep name {sweep!r} holds both quote characters, which MLflow's search cannot match")
+    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {literal}")
     parents = sorted((r for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), key=lambda r: r.info.start_time)
     parent = parents[0].info.run_id if parents else None  # the one find_parent_run opens
     results = []
@@ -239,8 +242,10 @@ def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> tuple[list[
         if by_id:
             out.append((key, by_id[0].run_name))
             continue
-        named = sorted((r.info for r in search_all(client, exp.experiment_id, f"attributes.run_name = {_quoted(key)}")),
-                       key=lambda info: info.start_time or 0, reverse=True)
+        name = filter_literal(key)  # None: both quotes, which no filter can name
+        named = [] if name is None else sorted(
+            (r.info for r in search_all(client, exp.experiment_id, f"attributes.run_name = {name}")),
+            key=lambda info: info.start_time or 0, reverse=True)
         if not named:
             raise LookupError(f"no run named {key!r} (nor with that id) in experiment {experiment!r}")
         latest, *others = named
@@ -250,11 +255,6 @@ def find_runs(uri: str, experiment: str, names_or_ids: list[str]) -> tuple[list[
                          f"{latest.run_id} ({_started(latest)}); pass an id for another: "
                          + ", ".join(f"{o.run_id} ({_started(o)})" for o in others))
     return out, notes
-
-
-def _quoted(value: str) -> str:
-    """value as a string literal of MLflow's search filter (which takes either quote)."""
-    return f'"{value}"' if "'" in value else f"'{value}'"
 
 
 def search_all(client, experiment_id: str, filter_string: str = "") -> list:

@@ -86,6 +86,14 @@ def sqlite_file(uri: str) -> Optional[str]:
     return path if path and path != ":memory:" else None
 
 
+def filter_literal(value: str) -> Optional[str]:
+    """value as a string literal of MLflow's search filter, in whichever quote it does not hold; None
+    when it holds both (the filter language has no escape)."""
+    if "'" not in value:
+        return f"'{value}'"
+    return None if '"' in value else f'"{value}"'
+
+
 def create_sqlite_store(uri: str) -> None:
     """Creates a fresh SQLite store under a temporary name and links it into place when complete.
 
@@ -405,10 +413,10 @@ class MLflowWriter:
         """The newest active run of experiment `exp_id` named `run_name` with this run's `sweep_id` (or
         none, like this one) and this run directory (or no run_dir tag: runs of older versions); None
         if there is none. Sweep parent runs never match."""
-        quote = "'" if "'" not in self.run_name else '"'
-        if quote in self.run_name:
+        name = filter_literal(self.run_name)
+        if name is None:
             return None
-        runs = client.search_runs([exp_id], f"attributes.run_name = {quote}{self.run_name}{quote}", max_results=200,
+        runs = client.search_runs([exp_id], f"attributes.run_name = {name}", max_results=200,
                                   order_by=["attributes.start_time DESC"])
         for run in runs:
             tags = run.data.tags

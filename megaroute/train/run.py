@@ -72,19 +72,21 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _peak_flops(cfg: Config, env: DistEnv) -> float:
-    """Peak FLOP/s of one rank. CPU ranks on one machine share its cores, so they split its peak, or
-    measure what their GEMMs reach where that is more (flops.cpu_rank_peak)."""
+def _peak_flops(cfg: Config, env: DistEnv) -> tuple[float, str]:
+    """(peak FLOP/s of one rank, where it comes from). CPU ranks on one machine share its cores, so they
+    split its peak, or measure what their GEMMs reach where that is more (flops.cpu_rank_peak)."""
     if cfg.train.peak_flops:
-        return cfg.train.peak_flops
+        return cfg.train.peak_flops, "train.peak_flops"
     if env.device == "cpu":
-        return cpu_rank_peak(cfg.train.precision, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        return (cpu_rank_peak(cfg.train.precision, ranks),
+                "this rank's measured GEMM rate, or its share of the cores' estimate where higher")
     try:
-        return peak_flops(None)
+        return peak_flops(None), "the device's 16-bit tensor-core datasheet peak"
     except ValueError as e:  # a GPU missing from the table must not stop training: MFU is logged as NaN
         if env.is_main:
             print(f"warning: {e}; perf/mfu will be NaN", file=sys.stderr, flush=True)
-        return 0.0
+        return 0.0, "none"
 
 
 def check_data(cfg: Config):
@@ -382,11 +384,8 @@ def _client_state(cfg: Config, state: TrainState, loader: SequenceLoader, summar
 def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager: CheckpointManager,
                summary: LossSummary, tracker: Optional[MLflowTracker], client_state: Callable[[], dict]) -> list:
     dp_size = layout.dp
-    peak = _peak_flops(cfg, env)
+    peak, source = _peak_flops(cfg, env)
     if env.is_main and peak > 0:  # the denominator of perf/mfu, which a reader cannot see in the figure
-        source = "train.peak_flops" if cfg.train.peak_flops else (
-            "this rank's measured GEMM rate, or its share of the cores' estimate where higher"
-            if env.device == "cpu" else "the device's 16-bit tensor-core datasheet peak")
         print(f"perf/mfu: against {peak / 1e9:,.1f} GFLOP/s per rank ({source}), x {env.world_size} ranks", flush=True)
     callbacks = [SpeedMeter(peak * env.world_size), summary,
                  BudgetCheck(tracker, print_fn=print if env.is_main else lambda *a, **k: None)]

@@ -90,3 +90,5 @@ def test_a_name_several_runs_share_means_the_latest_started_and_the_output_lists
     quoted = client.create_run(exp, run_name="bob's").info.run_id  # a quote in the name: the search filter holds
     assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "bob's", "--x", "step"]) == 0
     assert seen["runs"] == [(quoted, "bob's")]
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "a'b\"c", "--x", "step"]) == 1
+    assert "no run named 'a\\'b\"c'" in capsys.readouterr().err  # both quotes: no filter can name it
