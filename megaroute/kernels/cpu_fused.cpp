@@ -20,6 +20,8 @@
 //                                        (and the row's argmax, for early exit's labels)
 //   row_argmax                           parallel.parallel_argmax on CPU: torch.argmax(-1) in vector passes
 //   quantile_update                      routing/calibration.py QuantileCut.update in one call
+//   transpose_matrix                     cpu_linear's weight-gradient operands: a float32 matrix's
+//                                        transpose, contiguous, over every thread
 // Intermediate roundings follow the eager ops (a bf16 product is rounded where eager stores one), so
 // RoPE matches them bit for bit; SwiGLU can differ in exp's last bit (eager's scalar tail uses libm).
 // Built with -ffp-contract=off: a fused multiply-add would round differently from the eager ops.
@@ -836,6 +838,43 @@ void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& target, cons
   });
 }
 
+// ------------------------------------------------------------------------------------ transpose
+
+// dst [cols, rows] = src [rows, cols]^T; src rows `ld_src` apart, dst rows `ld_dst` apart. AVX-512:
+// ATen's 16 x 16 register tiles (attention's backward 10% faster than with the scalar tiled loop);
+// AVX2, whose ATen transpose of any shape is an untiled scalar loop: the tiled loop.
+inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
+#if defined(CPU_CAPABILITY_AVX512)
+  at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+#else
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
+      for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
+        for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+#endif
+}
+
+// src [R, C] float32 (rows any distance apart, columns contiguous) -> src^T as a contiguous [C, R]:
+// the operand a float32 weight-gradient GEMM reads (kernels/cpu_linear.py). torch's copy of a transposed
+// view runs one thread through scalar 60 x 60 blocks: [2048, 384] at 20 GB/s here against ~60 in strips
+// of 16 rows over both threads (each writes 64-byte runs into every output row).
+at::Tensor transpose_matrix(const at::Tensor& src) {
+  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == at::kFloat && src.dim() == 2 &&
+                  (src.stride(1) == 1 || src.numel() == 0),
+              "transpose_matrix: src must be a float32 CPU [R, C] matrix with contiguous columns");
+  const int64_t R = src.size(0), C = src.size(1), ld = src.stride(0);
+  auto dst = at::empty({C, R}, src.options());
+  const float* s = src.data_ptr<float>();
+  float* d = dst.data_ptr<float>();
+  constexpr int64_t kStrip = 16;
+  at::parallel_for(0, (R + kStrip - 1) / kStrip, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t r0 = b0 * kStrip, r1 = std::min(R, b1 * kStrip);
+    transpose(s + r0 * ld, ld, d + r0, R, r1 - r0, C);
+  });
+  return dst;
+}
+
 #ifdef CPUBLAS_BRGEMM_F32F32F32
 // ------------------------------------------------------------------------- float32 causal attention
 // Per head (parallel over B * H), flash-style: queries in blocks of kQueryBlock rows, each against the
@@ -846,21 +885,6 @@ void cross_entropy_rows(const at::Tensor& logits, const at::Tensor& target, cons
 // batched matmuls stream every operand from memory per op.
 
 constexpr int64_t kQueryBlock = 64;
-
-// dst [cols, rows] = src [rows, cols]^T, src rows `ld_src` apart. AVX-512: ATen's 16 x 16 register
-// tiles (the backward 10% faster than with the scalar tiled loop); AVX2, whose ATen transpose of any
-// shape is an untiled scalar loop: the tiled loop.
-inline void transpose(const float* src, int64_t ld_src, float* dst, int64_t rows, int64_t cols) {
-#if defined(CPU_CAPABILITY_AVX512)
-  at::vec::transpose_mxn<float>(src, ld_src, dst, rows, static_cast<int>(rows), static_cast<int>(cols));
-#else
-  constexpr int64_t kTile = 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile)
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile)
-      for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r)
-        for (int64_t c = c0; c < std::min(cols, c0 + kTile); ++c) dst[c * rows + r] = src[r * ld_src + c];
-#endif
-}
 
 struct HeadView {  // one head (b, h) of a float32 [B, H, T, Dh] tensor: rows `row` apart
   float* data;
@@ -892,7 +916,7 @@ inline void block_probs(float* p, int64_t a, int64_t b, float scale, const float
 inline void attend_head(const float* Q, int64_t q_row, const float* K, int64_t k_row, const float* V, int64_t v_row,
                         float* O, int64_t o_row, int64_t T, int64_t Dh, float scale, float* lse, float* kt,
                         float* scores) {
-  transpose(K, k_row, kt, T, Dh);
+  transpose(K, k_row, kt, T, T, Dh);
   for (int64_t a = 0; a < T; a += kQueryBlock) {
     const int64_t b = std::min(T, a + kQueryBlock), m = b - a;
     at::native::cpublas::brgemm(m, b, Dh, q_row, T, b, false, Q + a * q_row, kt, scores, false);
@@ -991,10 +1015,10 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& grad, const 
       const HeadView G = head_of(gh, bh, H), Q = head_of(qh, bh, H), K = head_of(kh, bh, H), V = head_of(vh, bh, H),
                      O = head_of(oh, bh, H), DQ = head_of(dqh, bh, H), DK = head_of(dkh, bh, H), DV = head_of(dvh, bh, H);
       const float* L = lse.data_ptr<float>() + bh * T;
-      transpose(K.data, K.row, kt.data(), T, Dh);
-      transpose(V.data, V.row, vt.data(), T, Dh);
-      transpose(Q.data, Q.row, qt.data(), T, Dh);
-      transpose(G.data, G.row, got.data(), T, Dh);
+      transpose(K.data, K.row, kt.data(), T, T, Dh);
+      transpose(V.data, V.row, vt.data(), T, T, Dh);
+      transpose(Q.data, Q.row, qt.data(), T, T, Dh);
+      transpose(G.data, G.row, got.data(), T, T, Dh);
       for (int64_t t = 0; t < T; ++t) {  // delta = rowsum(grad * out): softmax backward's per-row term
         delta[t] = at::vec::map2_reduce_all<float>([](fVec x, fVec y) { return x * y; },
                                                    [](fVec x, fVec y) { return x + y; }, G.data + t * G.row,
@@ -1019,8 +1043,8 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& grad, const 
         at::native::cpublas::brgemm(m, Dh, b, b, K.row, DQ.row, false, dp.data(), K.data, DQ.data + a * DQ.row, false);
         at::native::cpublas::brgemm(Dh, b, m, T, b, T, true, qt.data() + a, dp.data(), dkt.data(), false);
       }
-      transpose(dkt.data(), T, DK.data, Dh, T);  // [Dh, T] -> [T, Dh] rows (dk, dv are contiguous: rows Dh apart)
-      transpose(dvt.data(), T, DV.data, Dh, T);
+      transpose(dkt.data(), T, DK.data, Dh, Dh, T);  // [Dh, T] -> [T, Dh] rows (dk, dv are contiguous: rows Dh apart)
+      transpose(dvt.data(), T, DV.data, Dh, Dh, T);
     }
     at::native::cpublas::brgemm_release(false);
   });
@@ -1048,6 +1072,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention_forward", &varlen_attention_forward,
         "float32 q, k, v [N, H, Dh], offsets [S + 1] -> causal attention within each sequence, [N, H, Dh]");
 #endif
+  m.def("transpose_matrix", &transpose_matrix, "float32 src [R, C] (contiguous columns) -> src^T, a contiguous [C, R]");
   m.def("rms_norm_forward", &rms_norm_forward, "(x, weight, eps) -> (y, rstd)");
   m.def("rms_norm_backward", &rms_norm_backward, "(grad, x, weight, rstd) -> (grad_x, grad_weight)");
   m.def("cross_entropy_rows", &cross_entropy_rows, py::arg("logits"), py::arg("target"), py::arg("keep"),

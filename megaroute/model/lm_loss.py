@@ -229,7 +229,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)
                 del logits
             elif wants_grad and onednn:
-                grad_w = grad_wt.t().contiguous()
+                grad_w = cpu_linear.transposed(grad_wt)
             if wants_grad:
                 ctx.grads = (grad_h, grad_w)
             ctx.dtypes = (h.dtype, weight.dtype)

@@ -308,6 +308,21 @@ def test_cross_entropy_rows_refuses_targets_out_of_range(kernels):
         kernels.cross_entropy_rows(torch.randn(2, 5), torch.tensor([1, 5]), None, torch.empty(2))
 
 
+@pytest.mark.parametrize("R, C", [(1, 1), (16, 16), (37, 5), (2048, 384), (256, 1152), (100, 33), (0, 8)])
+def test_transpose_matrix_is_the_contiguous_transpose(kernels, R, C):
+    x = torch.randn(R, C)
+    out = kernels.transpose_matrix(x)
+    assert out.is_contiguous() and torch.equal(out, x.t())
+    wide = torch.randn(R, C + 7)[:, 3:3 + C]  # rows C + 7 apart
+    assert torch.equal(kernels.transpose_matrix(wide), wide.t())
+
+
+def test_transpose_matrix_refuses_what_it_cannot_read(kernels):
+    for bad in (torch.randn(4, 5).t(), torch.randn(4, 5, dtype=torch.bfloat16), torch.randn(2, 3, 4)):
+        with pytest.raises(RuntimeError, match="transpose_matrix"):
+            kernels.transpose_matrix(bad)
+
+
 def test_usable_only_for_contiguous_float32_or_bf16_cpu_tensors(kernels):
     x = torch.randn(4, 6)
     assert cpu.usable(x, x.bfloat16()) is None  # mixed dtypes
@@ -348,7 +363,7 @@ def test_the_model_runs_every_kernel_and_matches_the_eager_ops(kernels, monkeypa
             return getattr(kernels, name)(*args)
         return call
 
-    names = [n for n in dir(kernels) if (n.endswith(("_forward", "_backward")) or n == "cross_entropy_rows")
+    names = [n for n in dir(kernels) if (n.endswith(("_forward", "_backward")) or n in ("cross_entropy_rows", "transpose_matrix"))
              and n != "varlen_attention_forward"]  # inference only: no training step calls it
     proxy = types.SimpleNamespace(**{n: counted(n) for n in names})
     monkeypatch.setattr(cpu, "load", lambda: proxy)

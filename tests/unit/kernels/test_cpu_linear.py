@@ -265,6 +265,6 @@ def test_a_second_copy_of_the_module_finds_the_op_registered():
     copy = importlib.util.module_from_spec(importlib.util.spec_from_file_location("bundled_cpu_linear",
                                                                                 cpu_linear.__file__))
     source = (open(cpu_linear.__file__).read().replace("from .backend import", "from megaroute.kernels.backend import")
-              .replace("from . import functions", "from megaroute.kernels import functions"))
+              .replace("from . import cpu, functions", "from megaroute.kernels import cpu, functions"))
     exec(compile(source, cpu_linear.__file__, "exec"), copy.__dict__)
     assert copy.TRACEABLE and torch.ops.megaroute.onednn_linear is not None
