@@ -599,7 +599,8 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
 // x's gradient where MoD's router, its top-k and the gather are one autograd node (routing/mod.py
 // _RouteTopkGather), and the router weight's:
 //   out[i] = grad[i] + g[i] * w  (+ grad_rows[j] where rows[j] == i),  grad_w = sum_i g[i] * x[i]
-// One pass over the rows (grad and x read once, out written once), where torch ran addr (out), an
+// grad and x are [..., D] (R rows), out has their shape. One pass over the rows (grad and x read once,
+// out written once), where torch ran addr (out), an
 // index_add into it and a [1, R] x [R, D] GEMM that read x again. rows strictly ascending; each
 // chunk finds its first selected row by binary search; grad_w summed per thread, then over threads.
 void router_grads_kernel(const float* grad, const float* g, const float* w, const float* x, const int64_t* rows,
@@ -641,12 +642,14 @@ std::vector<at::Tensor> router_grads(const at::Tensor& grad, const at::Tensor& g
     check_cpu(*t, name);
     TORCH_CHECK(t->scalar_type() == at::kFloat, "router_grads: ", name, " must be float32");
   }
-  TORCH_CHECK(x.dim() == 2 && grad.sizes() == x.sizes() && g.numel() == x.size(0) && w.numel() == x.size(1) &&
-                  grad_rows.dim() == 2 && grad_rows.size(1) == x.size(1),
-              "router_grads: grad and x must be [R, D], g [R], w [D], grad_rows [n, D]; got ", grad.sizes(), ", ",
-              x.sizes(), ", ", g.sizes(), ", ", w.sizes(), ", ", grad_rows.sizes());
-  const int64_t R = x.size(0), n = rows.size(0), D = x.size(1);
+  TORCH_CHECK(x.dim() >= 2 && grad.sizes() == x.sizes() && g.numel() * x.size(-1) == x.numel() &&
+                  w.numel() == x.size(-1) && grad_rows.dim() == 2 && grad_rows.size(1) == x.size(-1),
+              "router_grads: grad and x must be [..., D] (R rows), g [R], w [D], grad_rows [n, D]; got ", grad.sizes(),
+              ", ", x.sizes(), ", ", g.sizes(), ", ", w.sizes(), ", ", grad_rows.sizes());
+  const int64_t D = x.size(-1), R = g.numel(), n = rows.size(0);
   const int64_t* r = checked_rows(rows, R, grad_rows.size(0), "router_grads", "grad_rows");
+  // x's shape, not a view of [R, D]: a view returned from backward keeps its base's storage referenced,
+  // and autograd then adds the next gradient into x's out of place (a fresh [B, T, D] per routed layer)
   at::Tensor out = at::empty_like(x);
   at::Tensor parts = at::zeros({at::get_num_threads(), D}, x.options());
   router_grads_kernel(grad.data_ptr<float>(), g.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(), r,

@@ -105,11 +105,11 @@ class _RouteTopkGather(torch.autograd.Function):
         flat = x.reshape(B * T, D)
         grad = None if grad_x is None else grad_x.reshape(B * T, D)
         if grad is not None and grad_logits is not None and grad_rows is not None and ctx.needs_input_grad[1]:
-            g, grad_rows = grad_logits.reshape(B * T), grad_rows.reshape(-1, D)
-            kernels = cpu.usable(grad, g, weight, flat, grad_rows)
-            if kernels is not None:  # the three and w's gradient in one pass over the rows
-                grad, grad_weight = kernels.router_grads(grad, g, weight.reshape(D), flat, rows, grad_rows)
-                return grad.view(B, T, D), grad_weight.view(1, D), None
+            g, grad_rows, grad_x = grad_logits.reshape(B * T), grad_rows.reshape(-1, D), grad_x.contiguous()
+            kernels = cpu.usable(grad_x, g, weight, x, grad_rows)
+            if kernels is not None:  # the three and w's gradient in one pass over the rows, out shaped as x
+                grad, grad_weight = kernels.router_grads(grad_x, g, weight.reshape(D), x, rows, grad_rows)
+                return grad, grad_weight.view(1, D), None
         owned, grad_weight = False, None  # owned: grad is a fresh tensor (grad_x is not ours to change)
         with torch.autocast(x.device.type, enabled=False):  # a backward inside autocast: still float32
             if grad_logits is not None:

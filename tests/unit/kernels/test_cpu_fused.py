@@ -170,6 +170,9 @@ def test_router_grads_matches_the_torch_ops(kernels, R, n, D):
     torch.testing.assert_close(out, torch.addr(grad, g, w).index_add_(0, rows, grad_rows), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad_w, g @ x, rtol=1e-5, atol=1e-5)
     assert out.shape == (R, D) and grad_w.shape == (D,)
+    if R % 2 == 0:  # [B, T, D] rows: out keeps their shape (not a view of [R, D]: see the kernel's comment)
+        out3, _ = kernels.router_grads(grad.view(2, R // 2, D), g, w, x.view(2, R // 2, D), rows, grad_rows)
+        assert out3.shape == (2, R // 2, D) and out3._base is None and torch.equal(out3.view(R, D), out)
 
 
 def test_router_grads_refuses_bad_rows_and_shapes(kernels):
@@ -181,8 +184,10 @@ def test_router_grads_refuses_bad_rows_and_shapes(kernels):
         kernels.router_grads(grad, g, w, x, torch.tensor([0, 1]), torch.randn(3, 4))
     with pytest.raises(RuntimeError, match="g must be float32"):
         kernels.router_grads(grad, g.double(), w, x, torch.tensor([0]), torch.randn(1, 4))
-    with pytest.raises(RuntimeError, match="must be \\[R, D\\]"):
+    with pytest.raises(RuntimeError, match="must be \\[..., D\\]"):
         kernels.router_grads(grad, g[:5], w, x, torch.tensor([0]), torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match="must be \\[..., D\\]"):
+        kernels.router_grads(grad.view(2, 4, 4), g, w, x, torch.tensor([0]), torch.randn(1, 4))
 
 
 def _score_cases():
