@@ -56,8 +56,8 @@ from ..train.mlflow_writer import create_sqlite_store
 from ..train.signals import EXIT_REQUEUE, StopSignal
 from ..train.tracking import config_uri, default_uri
 from . import report
-from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run, search_all
-from .plan import TAG_ROLE, TAG_SWEEP, Point, plan
+from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run, search_all, sweep_filter
+from .plan import TAG_ROLE, Point, plan
 from .spec import SweepSpec, SweepSpecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def finished_run_names(uri: str, experiment: str, sweep: str) -> set[str]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return set()
-    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = '{sweep}' and attributes.status = 'FINISHED'")
+    runs = search_all(client, exp.experiment_id, f"{sweep_filter(sweep)} and attributes.status = 'FINISHED'")
     return {r.info.run_name for r in runs if not r.data.tags.get(TAG_ROLE)}
 
 

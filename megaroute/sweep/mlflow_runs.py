@@ -90,8 +90,17 @@ def experiment_id(client, name: str) -> str:
         return exp.experiment_id
 
 
+def sweep_filter(sweep: str) -> str:
+    """The search-filter clause that matches the sweep's runs (its tag); LookupError for a name holding
+    both quote characters, which no literal of MLflow's filter language can name."""
+    literal = filter_literal(sweep)
+    if literal is None:
+        raise LookupError(f"sweep name {sweep!r} holds both quote characters, which MLflow's search cannot match")
+    return f"tags.{TAG_SWEEP} = {literal}"
+
+
 def find_parent_run(client, exp_id: str, sweep: str) -> Optional[str]:
-    runs = client.search_runs([exp_id], f"tags.{TAG_SWEEP} = '{sweep}' and tags.{TAG_ROLE} = '{ROLE_PARENT}'",
+    runs = client.search_runs([exp_id], f"{sweep_filter(sweep)} and tags.{TAG_ROLE} = '{ROLE_PARENT}'",
                               max_results=1, order_by=["attributes.start_time ASC"])
     return runs[0].info.run_id if runs else None
 
@@ -200,10 +209,7 @@ def sweep_runs(uri: str, experiment: str, sweep: str,
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise LookupError(f"MLflow experiment {experiment!r} not found at {uri}")
-    literal = filter_literal(sweep)
-    if literal is None:
-        raise LookupError(f"sweep name {sweep!r} holds both quote characters, which MLflow's search cannot match")
-    runs = search_all(client, exp.experiment_id, f"tags.{TAG_SWEEP} = {literal}")
+    runs = search_all(client, exp.experiment_id, sweep_filter(sweep))
     parents = sorted((r for r in runs if r.data.tags.get(TAG_ROLE) == ROLE_PARENT), key=lambda r: r.info.start_time)
     parent = parents[0].info.run_id if parents else None  # the one find_parent_run opens
     results = []

@@ -3,6 +3,9 @@ analysis runs apart from points."""
 
 from __future__ import annotations
 
+import pytest
+
+from megaroute.sweep.local import finished_run_names
 from megaroute.sweep.mlflow_runs import (finish_parent, open_parent_run, start_analysis_run, sweep_runs)
 
 from .fake_mlflow import point_run, store
@@ -37,3 +40,21 @@ def test_analysis_runs_are_children_and_never_points(tmp_path):
     found_parent, points = sweep_runs(uri, "exp", "sw", ("val/loss_topk", "eval/loss"))
     assert found_parent == parent and [(p.variant, p.val_loss, p.loss_key, p.routing) for p in points] == [
         ("dense", 2.5, "val/loss_topk", "none")]
+
+
+def test_sweep_names_with_a_quote_find_their_runs_and_both_quotes_are_refused(tmp_path):
+    """One filter clause (sweep_filter) for every search of a sweep's runs: the parent's lookup, the
+    points and the local runner's finished points; a name with a quote is quoted with the other one."""
+    uri, client, exp = store(tmp_path)
+    sweep = "bob's sweep"
+    parent = open_parent_run(uri, "exp", sweep, {})
+    assert open_parent_run(uri, "exp", sweep, {}) == parent  # found again, not a second parent
+    point_run(client, exp, sweep, parent, "dense", "s", 1e19, 100, 0, 3.0, name="dense-s")
+    point_run(client, exp, sweep, parent, "mod", "s", 1e19, 100, 0, None, "FAILED", routing="mod", name="mod-s")
+    point_run(client, exp, "other", None, "dense", "s", 1e19, 100, 0, 2.0, name="other-s")
+    found, points = sweep_runs(uri, "exp", sweep)
+    assert found == parent and sorted(p.variant for p in points) == ["dense", "mod"]
+    assert finished_run_names(uri, "exp", sweep) == {"dense-s"}
+    for search in (lambda: sweep_runs(uri, "exp", "a'b\"c"), lambda: finished_run_names(uri, "exp", "a'b\"c")):
+        with pytest.raises(LookupError, match="both quote characters"):
+            search()
