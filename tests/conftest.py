@@ -1,10 +1,13 @@
 """Shared fixtures. Nothing here changes global state outside a fixture's own scope, except that SIGTERM
-ends a test run as Ctrl-C does (pytest_configure)."""
+ends a test run as Ctrl-C does (pytest_configure) and the run removes the lock files MLflow's sqlite
+stores leave in the temp directory (pytest_unconfigure)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import threading
 
 import pytest
@@ -43,6 +46,29 @@ def pytest_configure(config):
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.stash[_MLFLOW_LOCKS] = set(_mlflow_locks())
+
+
+# MLflow's sqlite stores take a file lock in the temp directory while they create their tables,
+# db_init_lock-<hash of the store's URL>, and never remove it: each test's store is a fresh URL, so a
+# suite run would leave a few empty files there every time.
+_MLFLOW_LOCKS = pytest.StashKey[set]()
+
+
+def _mlflow_locks() -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "db_init_lock-*"))
+
+
+def pytest_unconfigure(config):
+    """After every test and xdist worker: the MLflow lock files this run created are removed."""
+    if _MLFLOW_LOCKS not in config.stash:
+        return
+    for path in set(_mlflow_locks()) - config.stash[_MLFLOW_LOCKS]:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 @pytest.fixture(autouse=True, scope="session")
