@@ -29,6 +29,7 @@ from ..kernels import cpu, functions
 from ..kernels.backend import op_registered
 from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
 from ..parallel.mappings import Group
+from .hooks import forward_observed
 from .rope import Positions, apply_rotary, split_qkv_rotary
 
 EAGER_MAX_LEN = 1024
@@ -340,7 +341,7 @@ class CausalSelfAttention(nn.Module):
         """Whether qkv's output belongs to this call alone, so that RoPE may rotate it in place: no
         forward hook, on `qkv` or global, that could have kept it (an activation capture) or returned
         a tensor its caller still holds. With one, the out-of-place path runs."""
-        return not (self.qkv._forward_hooks or nn.modules.module._global_forward_hooks)
+        return not forward_observed(self.qkv)
 
     def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

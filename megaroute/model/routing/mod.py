@@ -25,6 +25,7 @@ from ...config import ModelConfig, RoutingConfig
 from ...kernels import cpu
 from ...kernels.cpu_linear import Linear
 from ..block import TransformerBlock
+from ..hooks import forward_observed
 from ..rope import Positions
 from . import dispatch
 from .calibration import QuantileCut
@@ -65,11 +66,9 @@ class Router(nn.Linear):
         would be exactly this forward, unobserved: no hook on the router or global (an activation
         capture, ZeRO-3's parameter fetch), no forward patched onto the instance or overridden by a
         subclass, parameters not partitioned by ZeRO-3 (ds_id)."""
-        module = nn.modules.module
         return (self.fused and self.bias is None and x.dtype == self.weight.dtype == torch.float32
                 and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and not (self._forward_hooks or self._forward_pre_hooks or module._global_forward_hooks
-                         or module._global_forward_pre_hooks)
+                and not forward_observed(self, pre=True)
                 and "forward" not in vars(self) and type(self).forward is Router.forward
                 and not hasattr(self.weight, "ds_id"))
 
