@@ -109,19 +109,26 @@ class _RouteTopkGather(torch.autograd.Function):
             if kernels is not None:  # the three and w's gradient in one pass over the rows, out shaped as x
                 grad, grad_weight = kernels.router_grads(grad_x, g, weight.reshape(D), x, rows, grad_rows)
                 return grad, grad_weight.view(1, D), None
-        owned, grad_weight = False, None  # owned: grad is a fresh tensor (grad_x is not ours to change)
+        # x's gradient is built x-shaped and written through a flat view of it: a returned view would
+        # make autograd add the next gradient reaching x out of place (a [B, T, D] copy per layer).
+        out, grad_weight = None, None
         with torch.autocast(x.device.type, enabled=False):  # a backward inside autocast: still float32
             if grad_logits is not None:
                 g = grad_logits.reshape(B * T)
-                grad, owned = torch.outer(g, weight[0]) if grad is None else torch.addr(grad, g, weight[0]), True
+                dtype = torch.promote_types(g.dtype, weight.dtype)
+                out = torch.empty((B, T, D), dtype=dtype if grad is None else torch.promote_types(dtype, grad.dtype),
+                                  device=x.device)
+                if grad is None:
+                    torch.outer(g, weight[0], out=out.view(B * T, D))
+                else:
+                    torch.addr(grad, g, weight[0], out=out.view(B * T, D))
                 if ctx.needs_input_grad[1]:
                     grad_weight = g.unsqueeze(0).mm(flat)
         if grad_rows is not None:
-            if grad is None:
-                grad, owned = x.new_zeros(B * T, D), True
-            add = grad.index_add_ if owned else grad.index_add
-            grad = add(0, rows, grad_rows.reshape(-1, D))
-        return None if grad is None else grad.view(B, T, D), grad_weight, None
+            if out is None:  # grad_x is not ours to change
+                out = x.new_zeros(B, T, D) if grad_x is None else grad_x.clone(memory_format=torch.contiguous_format)
+            out.view(B * T, D).index_add_(0, rows, grad_rows.reshape(-1, D))
+        return grad_x if out is None else out, grad_weight, None
 
 
 class CausalPredictor(nn.Module):

@@ -638,3 +638,42 @@ def test_the_router_node_passes_gradcheck(outputs):
         return tuple(out[i] for i in outputs)
 
     assert torch.autograd.gradcheck(fn, (x, w))
+
+
+@pytest.mark.parametrize("outputs", [(0, 2, 3), (0, 3), (2, 3), (0, 2), (2,)], ids=["all", "logits+x", "rows+x", "logits+rows", "rows"])
+def test_the_router_nodes_torch_backward_returns_x_shaped_gradients(monkeypatch, outputs):
+    """The router node's backward without the CPU kernels (CUDA, or no extension) returns x's gradient
+    as a tensor of its own, not a view: autograd adds the next gradient reaching x into it in place only
+    then. Its values are the kernel path's (or, without the kernels, autograd's of the plain ops)."""
+    from megaroute.model.routing import mod
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 5, generator=gen, requires_grad=True)
+    w = torch.randn(1, 5, generator=gen, requires_grad=True)
+    grads_out = [None if s is None else torch.randn(s, generator=gen) for s in [(2, 7), None, (2, 3, 5), (2, 7, 5)]]
+
+    def backward():
+        x.grad = w.grad = None
+        out = mod._RouteTopkGather.apply(x, w, 3)
+        seen = []
+        out[0].grad_fn.register_hook(lambda grad_inputs, _grad_outputs: seen.append(grad_inputs[0]))
+        torch.autograd.backward([out[i] for i in outputs], [grads_out[i] for i in outputs])
+        return seen[0], x.grad.clone(), None if w.grad is None else w.grad.clone()
+
+    with_kernels = backward()
+    monkeypatch.setattr(mod.cpu, "usable", lambda *tensors: None)
+    returned, grad_x, grad_w = backward()
+    assert returned.shape == x.shape and not returned._is_view()
+    logits = x.detach().reshape(-1, 5) @ w.detach().t()
+    idx = logits.view(2, 7).topk(3, dim=1).indices.sort(dim=1).values
+    expect = torch.zeros(2, 7, 5)
+    if 3 in outputs:
+        expect += grads_out[3]
+    if 0 in outputs:
+        expect += grads_out[0].unsqueeze(-1) * w.detach()
+    if 2 in outputs:
+        expect.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, 5), grads_out[2])
+    torch.testing.assert_close(grad_x, expect)
+    torch.testing.assert_close(grad_x, with_kernels[1])
+    if grad_w is not None:
+        torch.testing.assert_close(grad_w, with_kernels[2])
