@@ -115,9 +115,7 @@ class _RouteTopkGather(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # a backward inside autocast: still float32
             if grad_logits is not None:
                 g = grad_logits.reshape(B * T)
-                dtype = torch.promote_types(g.dtype, weight.dtype)
-                out = torch.empty((B, T, D), dtype=dtype if grad is None else torch.promote_types(dtype, grad.dtype),
-                                  device=x.device)
+                out = torch.empty_like(x, memory_format=torch.contiguous_format)  # x's dtype, as autograd casts to
                 if grad is None:
                     torch.outer(g, weight[0], out=out.view(B * T, D))
                 else:
