@@ -104,10 +104,11 @@ class _RouteTopkGather(torch.autograd.Function):
         flat = x.reshape(B * T, D)
         grad = None if grad_x is None else grad_x.reshape(B * T, D)
         if grad is not None and grad_logits is not None and grad_rows is not None and ctx.needs_input_grad[1]:
-            g, grad_rows, grad_x = grad_logits.reshape(B * T), grad_rows.reshape(-1, D), grad_x.contiguous()
-            kernels = cpu.usable(grad_x, g, weight, x, grad_rows)
+            g, flat_rows = grad_logits.reshape(B * T), grad_rows.reshape(-1, D)
+            # grad_x as `strided`: its dtype and device decide; a copy only on the kernel's path
+            kernels = cpu.usable(g, weight, x, flat_rows, strided=(grad_x,))
             if kernels is not None:  # the three and w's gradient in one pass over the rows, out shaped as x
-                grad, grad_weight = kernels.router_grads(grad_x, g, weight.reshape(D), x, rows, grad_rows)
+                grad, grad_weight = kernels.router_grads(grad_x.contiguous(), g, weight.reshape(D), x, rows, flat_rows)
                 return grad, grad_weight.view(1, D), None
         # x's gradient is built x-shaped and written through a flat view of it: a returned view would
         # make autograd add the next gradient reaching x out of place (a [B, T, D] copy per layer).

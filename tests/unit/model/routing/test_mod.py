@@ -661,7 +661,7 @@ def test_the_router_nodes_torch_backward_returns_x_shaped_gradients(monkeypatch,
         return seen[0], x.grad.clone(), None if w.grad is None else w.grad.clone()
 
     with_kernels = backward()
-    monkeypatch.setattr(mod.cpu, "usable", lambda *tensors: None)
+    monkeypatch.setattr(mod.cpu, "usable", lambda *tensors, **kwargs: None)
     returned, grad_x, grad_w = backward()
     assert returned.shape == x.shape and not returned._is_view()
     logits = x.detach().reshape(-1, 5) @ w.detach().t()
@@ -677,3 +677,28 @@ def test_the_router_nodes_torch_backward_returns_x_shaped_gradients(monkeypatch,
     torch.testing.assert_close(grad_x, with_kernels[1])
     if grad_w is not None:
         torch.testing.assert_close(grad_w, with_kernels[2])
+
+
+@pytest.mark.parametrize("layout", ["sliced", "transposed"])
+def test_the_router_node_takes_a_non_contiguous_gradient_of_x(layout):
+    """x's incoming gradient may be strided: a sliced one (rows contiguous) is copied for the CPU kernel,
+    a transposed one takes the torch ops; either way x's and w's gradients are autograd's of the plain ops."""
+    from megaroute.model.routing import mod
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 5, generator=gen, requires_grad=True)
+    w = torch.randn(1, 5, generator=gen, requires_grad=True)
+    g_logits, g_rows = torch.randn(2, 7, generator=gen), torch.randn(2, 3, 5, generator=gen)
+    g_x = (torch.randn(2, 7, 8, generator=gen)[..., :5] if layout == "sliced"
+           else torch.randn(2, 5, 7, generator=gen).transpose(1, 2))
+    assert not g_x.is_contiguous()
+    logits, _, rows, routed = mod._RouteTopkGather.apply(x, w, 3)
+    torch.autograd.backward([logits, rows, routed], [g_logits, g_rows, g_x])
+
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref_logits = (xr.reshape(-1, 5) @ wr.t()).view(2, 7)
+    idx = ref_logits.detach().topk(3, dim=1).indices.sort(dim=1).values
+    ref_rows = xr.gather(1, idx.unsqueeze(-1).expand(-1, -1, 5))
+    torch.autograd.backward([ref_logits, ref_rows, xr], [g_logits, g_rows, g_x])
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
