@@ -222,8 +222,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(chunk, wc, out=grad_h[s:e])
                     if s == 0:
                         torch.mm(chunk.t(), hc[s:e], out=grad_w)
-                    else:
-                        grad_w.addmm_(chunk.t(), hc[s:e])
+                    else:  # addmm with out=, not addmm_: FlopCounterMode has no formula for the in-place op
+                        torch.addmm(grad_w, chunk.t(), hc[s:e], out=grad_w)
                 del chunk  # oneDNN's chunks are fresh: freed before the next one is allocated
             if whole:
                 grad_h, grad_w = torch.mm(logits, wc), torch.mm(logits.t(), hc)

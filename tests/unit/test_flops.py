@@ -126,6 +126,22 @@ def test_training_matches_flop_counter(case):
     assert total == BATCH * (est.train + _hardware_only_flops(case))
 
 
+@pytest.mark.parametrize("case", ["dense_tied", "mod_c0.125_every2"])
+def test_the_training_loops_fused_loss_counts_what_the_logits_path_counts(monkeypatch, case):
+    """The training loop's forward (the LM head inside the chunked loss, its gradients computed a chunk
+    of rows at a time) shows FlopCounterMode the FLOPs the returned-logits path shows: the chunks'
+    grad_weight accumulation is an addmm the counter has a formula for (it has none for addmm_)."""
+    from megaroute.model import lm_loss
+
+    model, tokens, est = _model_and_tokens(case)
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_MIN_ROWS", 16)
+    monkeypatch.setattr(lm_loss, "CE_CHUNK_ELEMENTS", 16 * model.lm_head.weight.shape[0])
+    assert lm_loss.chunk_rows(tokens.numel(), model.lm_head.weight.shape[0]) < tokens.numel() // 4
+    with_logits, _ = _count(model, tokens, backward=True)
+    fused, _ = _count(model, tokens, backward=True, options=ForwardOptions(return_logits=False))
+    assert fused == with_logits == BATCH * (est.train + _hardware_only_flops(case))
+
+
 @pytest.mark.parametrize("case", ["dense_untied_oddT", "mod_predictor_oddT"])
 def test_stock_flop_counter_with_math_attention(case):
     """No custom mapping: the MATH backend lowers attention to bmm's, which torch counts."""
