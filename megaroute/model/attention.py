@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 from ..kernels import cpu, functions
-from ..kernels.backend import op_registered
+from ..kernels.backend import aten_required, op_registered
 from ..parallel import ColumnParallelLinear, RowParallelLinear, tp_size
 from ..parallel.mappings import Group
 from .hooks import forward_observed
@@ -197,6 +197,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if torch.compiler.is_compiling():
         return torch.ops.megaroute.blocked_attention(q, k, v)[0]
+    if aten_required():  # a dispatch mode (FlopCounterMode, fake tensors) sees SDPA, as in float32
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return functions.apply(_CausalAttention, q, k, v)
 
 

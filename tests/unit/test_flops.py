@@ -142,6 +142,24 @@ def test_the_training_loops_fused_loss_counts_what_the_logits_path_counts(monkey
     assert fused == with_logits == BATCH * (est.train + _hardware_only_flops(case))
 
 
+@pytest.mark.parametrize("case", ["dense_tied", "mod_c0.125_every2"])
+def test_a_bf16_training_step_counts_what_a_float32_one_counts(case):
+    """Under FlopCounterMode, CPU bf16 attention steps aside for SDPA as the float32 kernels do: its
+    blocked matmuls' in-place accumulations (baddbmm_) have no formula, so the count would hold a part
+    of their attention FLOPs in bf16 and none in float32 (torch has no formula for CPU SDPA; the
+    CPU_FLASH_FLOPS mapping counts it in both)."""
+    model, tokens, est = _model_and_tokens(case)
+    counts = {}
+    for mapping in ("flash", None):
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                counts[mapping, dtype], _ = _count(model, tokens, backward=True,
+                                                   custom_mapping=CPU_FLASH_FLOPS if mapping else None)
+        assert counts[mapping, torch.bfloat16] == counts[mapping, torch.float32], mapping
+    assert counts["flash", torch.bfloat16] == BATCH * (est.train + _hardware_only_flops(case))
+    assert counts[None, torch.bfloat16] < counts["flash", torch.bfloat16]  # attention: no stock formula
+
+
 @pytest.mark.parametrize("case", ["dense_untied_oddT", "mod_predictor_oddT"])
 def test_stock_flop_counter_with_math_attention(case):
     """No custom mapping: the MATH backend lowers attention to bmm's, which torch counts."""
