@@ -189,9 +189,12 @@ class MLflowLogger(Callback):
     # A run stopped to be resumed later stays KILLED until the resumed job finishes it.
     STATUS = {"complete": "FINISHED", "signal": "KILLED", "exit_interval": "KILLED", "nonfinite": "FAILED"}
 
-    def __init__(self, tracker: MLflowTracker, interval: int):
+    def __init__(self, tracker: MLflowTracker, interval: int, metrics_path: Optional[str] = None,
+                 print_fn=print):
         self.tracker = tracker
         self.interval = interval
+        self.metrics_path = metrics_path  # named in the final line when the run did not reach MLflow
+        self.print_fn = print_fn
 
     def on_step_end(self, trainer: Trainer, metrics: dict) -> None:
         if trainer.state.step % self.interval == 0 or trainer.state.step == trainer.total_steps:
@@ -201,7 +204,13 @@ class MLflowLogger(Callback):
         self.tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, trainer.state.step)
 
     def on_train_end(self, trainer: Trainer) -> None:
-        self.tracker.close(self.STATUS.get(trainer.state.stop_reason, "FAILED"))
+        if self.tracker.close(self.STATUS.get(trainer.state.stop_reason, "FAILED")):
+            return
+        # The start-up warning scrolled away long ago: the job's last lines say the run is incomplete.
+        where = f"; every logged metric is in {self.metrics_path}" if self.metrics_path else ""
+        self.print_fn(f"warning: MLflow run {self.tracker.run_id or '(never created)'} at {self.tracker.uri} is "
+                      f"incomplete: not every metric or the final status reached it (last error: "
+                      f"{self.tracker.last_error}; {self.tracker.dropped_metrics} points dropped){where}", flush=True)
 
 
 class PeriodicCheckpoint(Callback):

@@ -395,7 +395,7 @@ def _callbacks(cfg: Config, env: DistEnv, layout: ParallelLayout, model, manager
         callbacks += [ProgressPrinter(cfg.train.log_interval), MetricsFile(os.path.join(cfg.run_dir, METRICS_FILE))]
     callbacks.append(PeriodicCheckpoint(manager, cfg.checkpoint.interval, client_state))
     if tracker is not None:
-        callbacks.append(MLflowLogger(tracker, cfg.train.log_interval))
+        callbacks.append(MLflowLogger(tracker, cfg.train.log_interval, os.path.join(cfg.run_dir, METRICS_FILE)))
     return callbacks
 
 

@@ -354,6 +354,29 @@ def test_close_gives_up_at_once_on_a_server_never_reached(closed_uri, tmp_path, 
     assert time.perf_counter() - t0 < 30.0
 
 
+def test_a_run_that_never_reached_mlflow_ends_with_a_line_saying_so(closed_uri, store, tmp_path):
+    """MLflowLogger at the end of training: the start-up warning has long scrolled away, so when close()
+    reports the run incomplete the job's last line names the URI, the error and the metrics file; a
+    run that closed cleanly prints nothing."""
+    from types import SimpleNamespace
+
+    from megaroute.train.callbacks import MLflowLogger
+
+    trainer = SimpleNamespace(state=SimpleNamespace(step=3, stop_reason="complete"), total_steps=3)
+    for uri, root, complete in ((closed_uri, tmp_path, False), (*store, True)):
+        printed = []
+        logger = MLflowLogger(make(uri, root, "final-line"), interval=1, metrics_path=str(root / "metrics.jsonl"),
+                              print_fn=lambda *a, **k: printed.append(" ".join(map(str, a))))
+        logger.on_step_end(trainer, {"train/loss": 1.0})
+        logger.on_train_end(trainer)
+        if complete:
+            assert printed == []
+            continue
+        (line,) = printed
+        assert line.startswith("warning: MLflow run") and "incomplete" in line and closed_uri in line
+        assert str(root / "metrics.jsonl") in line and "last error: " in line and "None" not in line
+
+
 # ---------------------------------------------------------------- the writer's policies (in this process)
 
 
