@@ -54,7 +54,7 @@ from ..data.prepare import prepare
 from ..paths import check_out_dir
 from ..train.mlflow_writer import create_sqlite_store
 from ..train.signals import EXIT_REQUEUE, StopSignal
-from ..train.tracking import config_uri, default_uri
+from ..train.tracking import config_uri, default_uri, file_store_problem
 from . import report
 from .mlflow_runs import _client, experiment_id, finish_parent, open_parent_run, search_all, sweep_filter
 from .plan import TAG_ROLE, Point, plan
@@ -104,6 +104,9 @@ def tracking_overrides(spec: SweepSpec, overrides: tuple[str, ...]) -> tuple[tup
                              "to skip finished points and to analyze the runs")
     if any(o.startswith("tracking.uri=") for o in overrides):
         uri = config_uri(cfg)  # tracking.uri=null: the default store
+        problem = file_store_problem(uri)
+        if problem:  # every point would exit 2 on it
+            raise SweepSpecError(spec.path, "overrides", f"tracking.uri: {problem}")
     else:
         uri = default_uri(cfg.runs_dir)
         if cfg.tracking.uri and cfg.tracking.uri != uri:

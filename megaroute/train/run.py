@@ -43,7 +43,7 @@ from .env import DistEnv, detect_env, release
 from .loop import Evaluator, Trainer, TrainState
 from .signals import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopSignal
 from .run_record import RUN_RECORD, await_run, tracked_run
-from .tracking import MLflowTracker, TrackingProcess, config_uri
+from .tracking import MLflowTracker, TrackingProcess, config_uri, file_store_problem
 from .watchdog import LauncherWatchdog
 
 EXIT_FOR_REASON = {"complete": EXIT_OK, "signal": EXIT_REQUEUE, "exit_interval": EXIT_REQUEUE,
@@ -208,6 +208,15 @@ def check_run_paths(cfg: Config) -> None:
             raise ConfigError(key, f"{what}: {problem}")
 
 
+def check_tracking(cfg: Config) -> None:
+    """A tracking URI that fails on every attempt (MLflow's file store: tracking.file_store_problem) is a
+    configuration error: tracking failures otherwise only warn, since a server may come back, and this
+    one would leave the run unlogged. Raises ConfigError (exit 2)."""
+    reason = file_store_problem(config_uri(cfg)) if cfg.tracking.enabled else None
+    if reason:
+        raise ConfigError("tracking.uri", reason)
+
+
 def pretrain(cfg: Config, env: DistEnv) -> int:
     layout, ds_config, init_path = _check(cfg, env)
     tracking = _start_tracking(cfg, env)
@@ -272,6 +281,7 @@ def _check(cfg: Config, env: DistEnv):
     layout = ParallelLayout.from_config(cfg.parallel, env.world_size, env.rank, cfg.model)
     ds_config = ds.deepspeed_config(cfg, layout.dp)
     check_run_paths(cfg)
+    check_tracking(cfg)
     check_data(cfg)
     check_resume_tag(cfg)
     check_resume_compat(cfg, layout)

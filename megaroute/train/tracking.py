@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.parse
 import warnings
 from typing import Any, Optional
 
@@ -44,6 +45,21 @@ def default_uri(runs_dir: str) -> str:
 def config_uri(cfg) -> str:
     """The store a config's runs go to: tracking.uri, else the SQLite store under runs_dir."""
     return cfg.tracking.uri or default_uri(cfg.runs_dir)
+
+
+def file_store_problem(uri: str) -> Optional[str]:
+    """Why `uri` cannot hold a megaroute run when it names MLflow's file store (a path or file://), else
+    None. That store keeps each metric in a file at its key's path, and megaroute's keys use a name both
+    as a metric and as a prefix (eval/exec_frac and eval/exec_frac/layer_1): the second fails with "Is a
+    directory" or "Not a directory". MLflow 3.13 and later also refuse the store unless
+    MLFLOW_ALLOW_FILE_STORE=true."""
+    scheme = urllib.parse.urlparse(uri).scheme
+    if (scheme not in ("", "file") and len(scheme) != 1) or uri == "databricks":  # one letter: a Windows drive
+        return None
+    return (f"{uri!r} is MLflow's file store, which cannot hold megaroute's metrics (it stores each metric as a "
+            f"file at its key's path, and keys such as eval/exec_frac and eval/exec_frac/layer_1 need one path as a "
+            f"file and as a folder); use a database store such as sqlite:///<dir>/mlflow.db, or leave tracking.uri "
+            f"unset (a SQLite store under runs_dir)")
 
 
 # ---------------------------------------------------------------- frames

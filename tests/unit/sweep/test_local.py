@@ -40,6 +40,8 @@ def test_local_store_is_sqlite_under_runs_dir_unless_the_command_line_names_one(
     assert uri == f"sqlite:///{tmp_path}/mlflow.db" and "not to the spec's tracking.uri=http://mlflow:5000" in capsys.readouterr().out
     with pytest.raises(SweepSpecError, match="tracking.enabled is false"):
         tracking_overrides(spec, ("tracking.enabled=false",))
+    with pytest.raises(SweepSpecError, match="tracking.uri: 'file:///x/mlruns' is MLflow's file store"):
+        tracking_overrides(spec, (f"runs_dir={tmp_path}", "tracking.uri=file:///x/mlruns"))  # every point would exit 2
 
 
 def test_point_command_is_one_rank_of_pretrain_sh(tmp_path):

@@ -480,7 +480,23 @@ def test_resume_names_the_tensors_when_no_config_key_explains_them(tmp_path, mon
     assert e.value.path == "name" and "another model (tensors bias, weight;" in str(e.value)
 
 
-@pytest.mark.parametrize("case", ["missing-source", "missing-prepared-dir", "vocab", "resume-tag", "empty-config"])
+@pytest.mark.parametrize("uri, file_store", [("/runs/mlruns", True), ("file:///runs/mlruns", True), ("mlruns", True),
+                                             ("C:\\runs\\mlruns", True), ("sqlite:////runs/mlflow.db", False),
+                                             ("http://127.0.0.1:5000", False), ("databricks", False),
+                                             ("postgresql://u@db/mlflow", False)])
+def test_file_store_uris_are_named(uri, file_store):
+    """MLflow's file store keeps each metric as a file at its key's path: megaroute's eval/exec_frac and
+    eval/exec_frac/layer_1 cannot both live there (seen: "Is a directory" with MLFLOW_ALLOW_FILE_STORE=true)."""
+    from megaroute.train.tracking import file_store_problem
+
+    problem = file_store_problem(uri)
+    assert (problem is not None) == file_store
+    if file_store:
+        assert repr(uri) in problem and "eval/exec_frac/layer_1" in problem and "sqlite:///" in problem
+
+
+@pytest.mark.parametrize("case", ["missing-source", "missing-prepared-dir", "vocab", "resume-tag", "empty-config",
+                                  "file-store"])
 def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, prepared_dir, monkeypatch, capsys,
                                                                       case):
     import json
@@ -501,6 +517,7 @@ def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, 
         "vocab": [f"data.output_dir={prepared_dir}", "model.vocab_size=20", "data.tokenizer.vocab_size=20"],
         "resume-tag": [f"data.output_dir={prepared_dir}", "checkpoint.resume=step_00000099"],
         "empty-config": [],
+        "file-store": [f"data.output_dir={prepared_dir}", "tracking.enabled=true", f"tracking.uri=file://{tmp_path}/mlruns"],
     }[case]
     if case == "empty-config":
         config.write_text("# nothing here yet\n")
@@ -514,6 +531,7 @@ def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, 
     err = capsys.readouterr().err
     expected = {"missing-source": "nope.txt' does not exist", "missing-prepared-dir": "removed does not exist",
                 "vocab": ">= model.vocab_size=20", "resume-tag": "config key 'checkpoint.resume': no checkpoint",
-                "empty-config": "c.yaml is empty"}[case]
+                "empty-config": "c.yaml is empty",
+                "file-store": f"config key 'tracking.uri': 'file://{tmp_path}/mlruns' is MLflow's file store"}[case]
     assert expected in err, err
-    assert "Traceback" not in err and not (tmp_path / "runs").exists()
+    assert "Traceback" not in err and not (tmp_path / "runs").exists() and not (tmp_path / "mlruns").exists()
