@@ -97,14 +97,15 @@ class _Running:
 
 def tracking_overrides(spec: SweepSpec, overrides: tuple[str, ...]) -> tuple[tuple[str, ...], str, str, str]:
     """(overrides with the store pinned, tracking URI, experiment, runs_dir) of a local sweep."""
-    first = plan(spec, overrides)[0]
-    cfg = load_config(first.config_path, first.overrides)
+    points = plan(spec, overrides)
+    cfg = load_config(points[0].config_path, points[0].overrides)
     if not cfg.tracking.enabled:
         raise SweepSpecError(spec.path, "overrides", "tracking.enabled is false; a local sweep needs MLflow "
                              "to skip finished points and to analyze the runs")
     if any(o.startswith("tracking.uri=") for o in overrides):
         uri = config_uri(cfg)  # tracking.uri=null: the default store
-        problem = file_store_problem(uri)
+        routed = any(load_config(p.config_path, p.overrides).routing.method != "none" for p in points)
+        problem = file_store_problem(uri, routed)
         if problem:  # every point would exit 2 on it
             raise SweepSpecError(spec.path, "overrides", f"tracking.uri: {problem}")
     else:

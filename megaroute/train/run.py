@@ -212,7 +212,7 @@ def check_tracking(cfg: Config) -> None:
     """A tracking URI that fails on every attempt (MLflow's file store: tracking.file_store_problem) is a
     configuration error: tracking failures otherwise only warn, since a server may come back, and this
     one would leave the run unlogged. Raises ConfigError (exit 2)."""
-    reason = file_store_problem(config_uri(cfg)) if cfg.tracking.enabled else None
+    reason = file_store_problem(config_uri(cfg), cfg.routing.method != "none") if cfg.tracking.enabled else None
     if reason:
         raise ConfigError("tracking.uri", reason)
 

@@ -20,8 +20,10 @@ once the training process is gone.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pickle
+import re
 import select
 import signal
 import struct
@@ -47,19 +49,33 @@ def config_uri(cfg) -> str:
     return cfg.tracking.uri or default_uri(cfg.runs_dir)
 
 
-def file_store_problem(uri: str) -> Optional[str]:
-    """Why `uri` cannot hold a megaroute run when it names MLflow's file store (a path or file://), else
-    None. That store keeps each metric in a file at its key's path, and megaroute's keys use a name both
-    as a metric and as a prefix (eval/exec_frac and eval/exec_frac/layer_1): the second fails with "Is a
-    directory" or "Not a directory". MLflow 3.13 and later also refuse the store unless
-    MLFLOW_ALLOW_FILE_STORE=true."""
+FILE_STORE_REFUSED_FROM = (3, 13)  # MLflow's file store raises on use unless MLFLOW_ALLOW_FILE_STORE is true
+
+
+def file_store_problem(uri: str, routed: bool) -> Optional[str]:
+    """Why `uri` cannot hold the run when it names MLflow's file store (a path or file://), else None.
+    That store keeps each metric in a file at its key's path, and a routed run logs a key both as a
+    metric and as a prefix (eval/exec_frac and eval/exec_frac/layer_1): the second fails ("Is a
+    directory"). A dense run's keys fit, where MLflow takes the store at all: before 3.13, or with
+    MLFLOW_ALLOW_FILE_STORE=true (MLflow's version read from its package metadata: no import)."""
     scheme = urllib.parse.urlparse(uri).scheme
     if (scheme not in ("", "file") and len(scheme) != 1) or uri == "databricks":  # one letter: a Windows drive
         return None
-    return (f"{uri!r} is MLflow's file store, which cannot hold megaroute's metrics (it stores each metric as a "
-            f"file at its key's path, and keys such as eval/exec_frac and eval/exec_frac/layer_1 need one path as a "
-            f"file and as a folder); use a database store such as sqlite:///<dir>/mlflow.db, or leave tracking.uri "
-            f"unset (a SQLite store under runs_dir)")
+    instead = "use a database store such as sqlite:///<dir>/mlflow.db, or leave tracking.uri unset (a SQLite store " \
+              "under runs_dir)"
+    if routed:
+        return (f"{uri!r} is MLflow's file store, which cannot hold a routed run's metrics (it stores each metric "
+                f"as a file at its key's path, and eval/exec_frac beside eval/exec_frac/layer_1 needs one path as a "
+                f"file and as a folder); {instead}")
+    try:
+        version = importlib.metadata.version("mlflow")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if allowed or tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < FILE_STORE_REFUSED_FROM:
+        return None
+    return f"{uri!r} is MLflow's file store, which MLflow {version} refuses (maintenance mode); {instead}, or " \
+           f"export MLFLOW_ALLOW_FILE_STORE=true"
 
 
 # ---------------------------------------------------------------- frames

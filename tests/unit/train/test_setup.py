@@ -484,15 +484,26 @@ def test_resume_names_the_tensors_when_no_config_key_explains_them(tmp_path, mon
                                              ("C:\\runs\\mlruns", True), ("sqlite:////runs/mlflow.db", False),
                                              ("http://127.0.0.1:5000", False), ("databricks", False),
                                              ("postgresql://u@db/mlflow", False)])
-def test_file_store_uris_are_named(uri, file_store):
-    """MLflow's file store keeps each metric as a file at its key's path: megaroute's eval/exec_frac and
-    eval/exec_frac/layer_1 cannot both live there (seen: "Is a directory" with MLFLOW_ALLOW_FILE_STORE=true)."""
-    from megaroute.train.tracking import file_store_problem
+def test_file_store_uris_are_named(uri, file_store, monkeypatch):
+    """MLflow's file store keeps each metric as a file at its key's path: a routed run's eval/exec_frac and
+    eval/exec_frac/layer_1 cannot both live there (seen: "Is a directory" with MLFLOW_ALLOW_FILE_STORE=true).
+    A dense run's keys fit, where MLflow takes the store: before 3.13, or with MLFLOW_ALLOW_FILE_STORE."""
+    import importlib.metadata
 
-    problem = file_store_problem(uri)
+    from megaroute.train import tracking
+
+    problem = tracking.file_store_problem(uri, routed=True)
     assert (problem is not None) == file_store
     if file_store:
         assert repr(uri) in problem and "eval/exec_frac/layer_1" in problem and "sqlite:///" in problem
+    for version, allow, refused in (("3.17.2", "", True), ("3.13.0rc0", "false", True), ("3.17.2", "true", False),
+                                    ("3.17.2", "1", False), ("3.12.1", "", False), ("2.21.3", "", False)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", allow)
+        problem = tracking.file_store_problem(uri, routed=False)
+        assert (problem is not None) == (file_store and refused), (version, allow)
+        if problem:
+            assert f"MLflow {version} refuses" in problem and "MLFLOW_ALLOW_FILE_STORE=true" in problem
 
 
 @pytest.mark.parametrize("case", ["missing-source", "missing-prepared-dir", "vocab", "resume-tag", "empty-config",
@@ -521,6 +532,8 @@ def test_bad_input_fails_in_main_with_exit_2_before_the_process_group(tmp_path, 
     }[case]
     if case == "empty-config":
         config.write_text("# nothing here yet\n")
+    if case == "file-store":  # a dense run: refused because this MLflow (3.13+) refuses the store by default
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     if case == "vocab":  # the tokenizer fits the model, one shard's ids do not
         out = shutil.copytree(prepared_dir, tmp_path / "copy")
         index = json.loads((out / "index.json").read_text())
