@@ -52,7 +52,7 @@ from ..argtypes import comma_list, one_of, positive_int, unit_interval
 from ..config import load_config
 from ..model import ForwardOptions, build_model
 from . import allocator
-from .noise import per_round, round_order, verdict
+from .noise import against, per_round, round_order, verdict
 
 aten = torch.ops.aten
 
@@ -213,11 +213,13 @@ def print_method(args, method: str, kept: bool) -> None:
           f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8} {'faults/fwd':>13}")
     for s in args.shapes:
         for r in bench_shape(s, args.fracs, args.repeats, method=method):
-            note = "" if r["frac"] != 0.8 or method != "halting" else "  " + verdict(
+            judged = r["frac"] == 0.8 and method == "halting"
+            note = "" if not judged else "  " + verdict(
                 r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET", n=args.repeats)
+            ratio = against(r["ratio"], TARGET, digits=3) if judged else f"{r['ratio']:.3f}"
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
-                  f"{r['ratio']:>10.3f} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
+                  f"{ratio:>10} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "
                   f"{r['ratio'] / r['flops_ratio']:>7.2f}x {r['dense_faults']:>6.0f}/{r['hard_faults']:<6.0f}"
                   f"{note}{faulted(r['dense_faults'], r['hard_faults'], kept, mode)}")
 

@@ -96,7 +96,7 @@ from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from . import allocator, gpt2
-from .noise import describe as describe_rounds, per_round, round_order, verdict as noisy_verdict
+from .noise import against, describe as describe_rounds, per_round, round_order, verdict as noisy_verdict
 
 TARGET = 1.05  # MoD step / dense step at most this times the FLOPs ratio
 SPEEDUP_TARGETS = {"fp32": 1.3, "bf16": 1.2}  # dense over reference (today's step)
@@ -492,7 +492,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
             ratio = stat(total["mod"]) / stat(total["dense"])
             verdict = noisy_verdict(ratio, TARGET * flops_ratio, rounds, n=len(total["mod"]))
             lines.append(f"  {stat.__name__:<6} step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
-                         f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
+                         f"{against(ratio / flops_ratio, TARGET)} x (target <= {TARGET}) {verdict}")
         lines.append(f"         mod / dense, {describe_rounds(total['mod'], total['dense'])}")
         # The optimizer step costs the same for both (same parameters) and is not in the FLOPs.
         fwd_bwd = {name: statistics.median(p["forward"] + p["backward"] for p in times[name]) for name in ("mod", "dense")}
@@ -555,7 +555,7 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
         ratio, flops_ratio = medians["mod"] / dense, flops["mod"] / flops["dense"]
         verdict = "HOLDS" if ratio <= TARGET * flops_ratio else "MISSED"
         lines.append(f"  step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
-                     f"{ratio / flops_ratio:.2f} x (target <= {TARGET}) {verdict}")
+                     f"{against(ratio / flops_ratio, TARGET)} x (target <= {TARGET}) {verdict}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megaroute.bench.noise import describe, per_round, round_order, verdict
+from megaroute.bench.noise import against, describe, per_round, round_order, verdict
 
 
 def test_per_round_ratio_median_and_quartiles():
@@ -46,3 +46,14 @@ def test_a_verdict_from_too_few_rounds_says_so_rather_than_judging_the_noise():
     assert verdict(0.88, 0.9, (0.88, 0.85, 0.92), n=MIN_ROUNDS - 1).startswith("HOLDS (only 2 rounds")
     assert verdict(0.88, 0.9, (0.88, 0.85, 0.92), n=MIN_ROUNDS).startswith("HOLDS (within the noise")
     assert verdict(0.88, 0.9, (0.88, 0.86, 0.89), n=MIN_ROUNDS) == "HOLDS"
+
+
+def test_a_figure_beside_its_target_never_prints_as_the_target_unless_it_is():
+    """A MoD factor of 1.0544 printed "1.05 x (target <= 1.05) MISSED": the figure read as the target
+    met, the verdict said otherwise. Near the target, more decimals; elsewhere the usual two."""
+    assert against(1.0544, 1.05) == "1.054"  # missed, by less than the 2-decimal rounding shows
+    assert against(1.0496, 1.05) == "1.0496"  # met: "1.05" and "1.050" both print the target
+    assert against(1.05, 1.05) == "1.05"  # exactly the target: as it is
+    assert against(1.0714, 1.05) == "1.07" and against(0.98, 1.05) == "0.98"  # away from it: unchanged
+    assert against(0.8804, 0.88, digits=3) == "0.8804" and against(0.869, 0.88, digits=3) == "0.869"
+    assert against(1.050000001, 1.05) == "1.0500"  # no more than `most` decimals
