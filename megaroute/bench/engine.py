@@ -32,7 +32,7 @@ from ..train.loop import TRAIN_FORWARD
 from ..train.optim import GuardedAdamW, param_groups
 from ..train.tracking import MLflowTracker
 from . import allocator
-from .noise import describe, per_round, round_order, verdict
+from .noise import against, describe, per_round, round_order, verdict
 
 SHAPES = {
     "tiny": ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "data.seq_len=128", "model.max_seq_len=128",
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [bench_model(s, args.steps, args.warmup, args.batch) for s in args.models]
         for r in rows:
             print(f"{r['shape']:<6} {r['tokens']:>11} {r['plain_s'] * 1e3:>8.1f}ms {r['engine_s'] * 1e3:>9.1f}ms "
-                  f"{100 * r['overhead']:>8.1f}%   {r['plain_wall_s'] * 1e3:>8.1f}ms "
+                  f"{against(100 * r['overhead'], 5.0, digits=1):>8}%   {r['plain_wall_s'] * 1e3:>8.1f}ms "
                   f"{r['engine_wall_s'] * 1e3:>9.1f}ms "
                   f"{100 * r['wall_overhead']:>8.1f}%  "
                   f"{verdict(1 + r['overhead'], 1.05, r['per_round'], met='OK', missed='ABOVE 5% TARGET', n=r['n'])}")

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from megaroute.argtypes import fraction, positive_float, positive_int
+from megaroute.bench.noise import against
 from megaroute.config import ModelConfig, RoutingConfig
 from megaroute.model.rope import Positions, RotaryEmbedding
 from megaroute.model.routing import build_layer
@@ -251,7 +252,7 @@ def bench_cpu(args) -> None:
         share = t_dispatch / t_layer
         verdict = "ok" if share <= CPU_TARGET else "ABOVE TARGET"
         print(f"  {name:22s} layer {t_layer * 1e3:8.2f} ms  dispatch {t_dispatch * 1e3:7.2f} ms  "
-              f"share {share:5.1%}  (target <= {CPU_TARGET:.0%}: {verdict})")
+              f"share {against(100 * share, 100 * CPU_TARGET, digits=1):>4}%  (target <= {CPU_TARGET:.0%}: {verdict})")
 
 
 def main(argv: list[str] | None = None) -> int:
