@@ -467,7 +467,8 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
                 speedup = stat(total[REFERENCE]) / stat(total[name])
                 verdict = "" if target is None else \
                     f" (target >= {target}) {noisy_verdict(speedup, target, rounds, at_most=False, n=len(total[name]))}"
-                lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {speedup:.3f}x faster{verdict}")
+                shown = f"{speedup:.3f}" if target is None else against(speedup, target, digits=3)
+                lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {shown}x faster{verdict}")
             if name in total:
                 lines.append(f"         reference / {name}, {describe_rounds(total[REFERENCE], total[name])}")
     # TORCH_GEMM: dense through the baseline's own GEMM (torch's mm), the model's share of the lead; no target
@@ -475,11 +476,14 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
     for name, base in [*pairs, (TORCH_GEMM, BASELINE), ("dense", TORCH_GEMM)]:
         if name not in total or base not in total:
             continue
-        ratios = ", ".join(f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}" for stat in (statistics.median, min))
+        judged = speedup_targets and TORCH_GEMM not in (name, base)
+        ratios = ", ".join(f"{stat.__name__} {against(stat(total[name]) / stat(total[base]), BASELINE_TARGET, digits=3)}"
+                           if judged else f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}"
+                           for stat in (statistics.median, min))
         ratio = statistics.median(total[name]) / statistics.median(total[base])
         verdict = (f" (target <= {BASELINE_TARGET}) "
                    f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]), n=len(total[name]))}"
-                   if speedup_targets and TORCH_GEMM not in (name, base) else "")
+                   if judged else "")
         what = ("oneDNN's float32 GEMMs against torch's mm, the rest the same" if base == TORCH_GEMM else
                 f"nanoGPT's architecture, FLOPs ratio {flops[name] / flops[base]:.3f}"
                 + (", both through torch's mm" if name == TORCH_GEMM else ""))

@@ -195,6 +195,9 @@ def test_report_figures_mean_their_labels():
     # a factor that rounds to the target prints the decimals that tell it from the target
     near = dict(steps, mod=[{"forward": 0.3, "backward": 0.5858, "optimizer": 0.0}] * 3)  # 0.8858 / 1.2 / 0.7
     assert "1.055 x (target <= 1.05) MISSED" in step.report("fp32", near, 1000, flops, {"torch mm": [4e9]})
+    near["reference"] = [{"forward": 1.2 * 1.3004, "backward": 0.0, "optimizer": 0.0}] * 3
+    assert "dense step vs reference (today's step): 1.3004x faster (target >= 1.3) HOLDS" in step.report(
+        "fp32", near, 1000, flops, {"torch mm": [4e9]})
     assert "target >=" not in step.report("bf16", steps, 1000, flops, {"torch mm": [4e9]}, speedup_targets=False)
     # per round: the ratio of the two variants' steps of the same round (rounds are interleaved)
     rounds = {"reference": [{"forward": t, "backward": 0.0, "optimizer": 0.0} for t in (1.0, 2.0, 1.2, 1.1)],
