@@ -216,7 +216,7 @@ def print_method(args, method: str, kept: bool) -> None:
             judged = r["frac"] == 0.8 and method == "halting"
             note = "" if not judged else "  " + verdict(
                 r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET", n=args.repeats)
-            ratio = against(r["ratio"], TARGET, digits=3) if judged else f"{r['ratio']:.3f}"
+            ratio = against(r["ratio"], TARGET if judged else None, digits=3)
             print(f"{r['shape']:<34} {r['frac']:>8.0%} {r['masks']:>6} {r['dense_s'] * 1e3:>8.1f}ms "
                   f"{r['hard_s'] * 1e3:>8.1f}ms "
                   f"{ratio:>10} {r['rounds'][1]:>6.3f}-{r['rounds'][2]:.3f} {r['flops_ratio']:>11.3f} "

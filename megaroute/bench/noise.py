@@ -33,10 +33,12 @@ def describe(numerator: list[float], denominator: list[float]) -> str:
     return f"per round: median {median:.3f}, interquartile {q1:.3f}-{q3:.3f} of {len(numerator)}"
 
 
-def against(value: float, target: float, digits: int = 2, most: int = 4) -> str:
+def against(value: float, target: Optional[float], digits: int = 2, most: int = 4) -> str:
     """value with `digits` decimals, or as many more (up to `most`) as it takes not to print the target
     itself for a value that is not the target: 1.0544 against 1.05 prints "1.054", where "1.05" next to
-    "MISSED" would read as the target met."""
+    "MISSED" would read as the target met. target None (a figure judged against nothing): `digits`."""
+    if target is None:
+        return f"{value:.{digits}f}"
     for d in range(digits, most + 1):
         text = f"{value:.{d}f}"
         if value == target or float(text) != target:

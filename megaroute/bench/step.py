@@ -467,8 +467,8 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
                 speedup = stat(total[REFERENCE]) / stat(total[name])
                 verdict = "" if target is None else \
                     f" (target >= {target}) {noisy_verdict(speedup, target, rounds, at_most=False, n=len(total[name]))}"
-                shown = f"{speedup:.3f}" if target is None else against(speedup, target, digits=3)
-                lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): {shown}x faster{verdict}")
+                lines.append(f"  {stat.__name__:<6} {name} step vs reference (today's step): "
+                             f"{against(speedup, target, digits=3)}x faster{verdict}")
             if name in total:
                 lines.append(f"         reference / {name}, {describe_rounds(total[REFERENCE], total[name])}")
     # TORCH_GEMM: dense through the baseline's own GEMM (torch's mm), the model's share of the lead; no target
@@ -477,8 +477,7 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
         if name not in total or base not in total:
             continue
         judged = speedup_targets and TORCH_GEMM not in (name, base)
-        ratios = ", ".join(f"{stat.__name__} {against(stat(total[name]) / stat(total[base]), BASELINE_TARGET, digits=3)}"
-                           if judged else f"{stat.__name__} {stat(total[name]) / stat(total[base]):.3f}"
+        ratios = ", ".join(f"{stat.__name__} {against(stat(total[name]) / stat(total[base]), BASELINE_TARGET if judged else None, digits=3)}"
                            for stat in (statistics.median, min))
         ratio = statistics.median(total[name]) / statistics.median(total[base])
         verdict = (f" (target <= {BASELINE_TARGET}) "

@@ -57,3 +57,4 @@ def test_a_figure_beside_its_target_never_prints_as_the_target_unless_it_is():
     assert against(1.0714, 1.05) == "1.07" and against(0.98, 1.05) == "0.98"  # away from it: unchanged
     assert against(0.8804, 0.88, digits=3) == "0.8804" and against(0.869, 0.88, digits=3) == "0.869"
     assert against(1.050000001, 1.05) == "1.0500"  # no more than `most` decimals
+    assert against(1.05, None, digits=3) == "1.050"  # judged against nothing: the usual decimals
