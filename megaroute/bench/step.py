@@ -476,13 +476,12 @@ def report(precision: str, times: dict[str, list[dict[str, float]]], tokens: int
     for name, base in [*pairs, (TORCH_GEMM, BASELINE), ("dense", TORCH_GEMM)]:
         if name not in total or base not in total:
             continue
-        judged = speedup_targets and TORCH_GEMM not in (name, base)
-        ratios = ", ".join(f"{stat.__name__} {against(stat(total[name]) / stat(total[base]), BASELINE_TARGET if judged else None, digits=3)}"
+        target = BASELINE_TARGET if speedup_targets and TORCH_GEMM not in (name, base) else None
+        ratios = ", ".join(f"{stat.__name__} {against(stat(total[name]) / stat(total[base]), target, digits=3)}"
                            for stat in (statistics.median, min))
         ratio = statistics.median(total[name]) / statistics.median(total[base])
-        verdict = (f" (target <= {BASELINE_TARGET}) "
-                   f"{noisy_verdict(ratio, BASELINE_TARGET, per_round(total[name], total[base]), n=len(total[name]))}"
-                   if judged else "")
+        verdict = "" if target is None else (
+            f" (target <= {target}) {noisy_verdict(ratio, target, per_round(total[name], total[base]), n=len(total[name]))}")
         what = ("oneDNN's float32 GEMMs against torch's mm, the rest the same" if base == TORCH_GEMM else
                 f"nanoGPT's architecture, FLOPs ratio {flops[name] / flops[base]:.3f}"
                 + (", both through torch's mm" if name == TORCH_GEMM else ""))
