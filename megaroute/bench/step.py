@@ -6,6 +6,7 @@
     python -m megaroute.bench.step --device cuda [--shape 157m --batch 8 16 --seq-len 1024]
     python -m megaroute.bench.step --device cuda --config configs/dense_350m.yaml configs/mod_350m.yaml
     python -m megaroute.bench.step --device cuda --variants dense gpt2 --profile   # where the gap is, op by op
+    python -m megaroute.bench.step --device cuda --compile --compile-mode reduce-overhead  # + CUDA graphs
 
 Times full training steps (forward + backward + AdamW step) of each variant and prints, per
 precision: the median (and best) step time, step/dense beside the analytic FLOPs share
@@ -36,7 +37,10 @@ gpt2 step; MoD's step/dense at most 1.05x its FLOPs ratio. A verdict (HOLDS / MI
 another run may then flip it. `--compile` adds a `<variant>+compile`
 twin of each variant (but reference and dense_torch_gemm), its blocks compiled (`Transformer.compile_blocks`, what
 `train.compile: true` runs; gpt2+compile: the whole model, as nanoGPT compiles it), interleaved
-with the rest; compilation happens in the warmup steps, so it is not timed.
+with the rest; compilation happens in the warmup steps, so it is not timed. `--compile-mode` picks
+torch.compile's mode for them: `reduce-overhead` and `max-autotune` record CUDA graphs of the
+compiled blocks on a GPU, for the host-bound steps there (README, CUDA), and each step then marks
+its start (torch.compiler.cudagraph_mark_step_begin); on CPU tensors no graphs are recorded.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
 variants' steps are interleaved round by round (each round in its own shuffled order) so machine
@@ -90,7 +94,7 @@ from ..argtypes import non_negative_int, positive_float, positive_int
 from ..config import ConfigError, ModelConfig, RoutingConfig, load_config
 from ..flops import PRECISION_DTYPES, cpu_gemms, flops_per_token, measure_matmul_flops, peak_flops
 from ..kernels import cpu_linear
-from ..model import ForwardOptions, build_model
+from ..model import COMPILE_MODES, CUDA_GRAPH_MODES, ForwardOptions, build_model
 from ..model.routing import calibrate_thresholds, honest_routing_mode
 from ..parallel import ColumnParallelLinear, RowParallelLinear
 from ..train.loop import TRAIN_FORWARD
@@ -138,6 +142,8 @@ class Trainer:
     scaler: Optional[torch.amp.GradScaler] = field(default=None)  # fp16 on CUDA
     # megaroute models: the training loop's forward (no logits returned: the LM head runs inside the loss)
     forward_kwargs: dict = field(default_factory=dict)
+    # compiled with CUDA graphs (--compile-mode): each step starts a new graph generation
+    mark_steps: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -148,11 +154,17 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.precision])
 
+    def _begin(self) -> None:
+        """The last step's outputs are dead: CUDA-graph trees may reuse their memory."""
+        if self.mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def step(self, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
         """Runs one step; returns seconds per phase (CPU ops are synchronous; CUDA uses events)."""
         if self.device.type == "cuda":
             return self._cuda_step()
         t0 = clock()
+        self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
         t1 = clock()
@@ -169,6 +181,7 @@ class Trainer:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         marks = [time.perf_counter()]
         events[0].record()
+        self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
         events[1].record()
@@ -193,15 +206,18 @@ class Trainer:
 
 def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: int, seed: int = 0,
                  device: str = "cpu", shape: Optional[ModelConfig] = None, reference: bool = False,
-                 compile: bool = False, baseline: bool = False, torch_gemm: bool = False) -> Trainer:
+                 compile: bool = False, baseline: bool = False, torch_gemm: bool = False,
+                 compile_mode: str = "default") -> Trainer:
     """A trainer with the training loop's optimizer (GuardedAdamW, decay on matrices); `reference`:
     the reference math and torch's default AdamW implementation, i.e. the step before issue 19;
     `compile`: the blocks torch.compile'd (Transformer.compile_blocks), compiled at the first step;
     `baseline`: the gpt2 baseline (nanoGPT's architecture and AdamW; `compile` compiles the whole
     model, as nanoGPT does) instead of a megaroute model; `torch_gemm`: the linears (and the LM head
     inside the loss) through F.linear / torch's mm instead of oneDNN (kernels/cpu_linear.py), the
-    rest of the fused math unchanged."""
+    rest of the fused math unchanged. `compile_mode`: torch.compile's mode for `compile`
+    (transformer.COMPILE_MODES; those recording CUDA graphs mark each step's start)."""
     shape = shape or SHAPE
+    graphs = compile and compile_mode in CUDA_GRAPH_MODES
     torch.manual_seed(seed)
     cuda = torch.device(device).type == "cuda"
     data = torch.randint(0, shape.vocab_size, (batch, seq_len + 1)).to(device)
@@ -209,7 +225,9 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
     if baseline:
         model = gpt2.GPT2(shape).to(device)
         optim = gpt2.optimizer(model)
-        return Trainer(torch.compile(model) if compile else model, optim, data[:, :-1], data[:, 1:], precision, scaler)
+        if compile:
+            model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+        return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler, mark_steps=graphs)
     model = build_model(shape, routing, device=device)  # fp32 weights: autocast runs the math in 16 bits
     # GuardedAdamW picks torch's fused kernel; foreach=None is torch's default (a loop on CPU)
     impl = {"foreach": None} if reference else {}
@@ -218,17 +236,18 @@ def make_trainer(routing: RoutingConfig, precision: str, batch: int, seq_len: in
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, cpu_linear.Linear)):
             module.fused = False
     if compile:
-        model.compile_blocks()  # the blocks keep the math set_fused chose
+        model.compile_blocks(mode=compile_mode)  # the blocks keep the math set_fused chose
     optim = GuardedAdamW(param_groups(model, 0.1), lr=1e-4, **impl)
-    return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler, {"options": TRAIN_FORWARD})
+    return Trainer(model, optim, data[:, :-1], data[:, 1:], precision, scaler, {"options": TRAIN_FORWARD}, graphs)
 
 
 def variant_trainer(name: str, shape: ModelConfig, routing: RoutingConfig, precision: str, batch: int,
-                    seq_len: int, device: str = "cpu") -> Trainer:
+                    seq_len: int, device: str = "cpu", compile_mode: str = "default") -> Trainer:
     """make_trainer for a variant by its name (reference, gpt2, `<variant>+compile`)."""
     base = name.removesuffix(COMPILED)
     return make_trainer(routing, precision, batch, seq_len, device=device, shape=shape, reference=base == REFERENCE,
-                        baseline=base == BASELINE, compile=name.endswith(COMPILED), torch_gemm=base == TORCH_GEMM)
+                        baseline=base == BASELINE, compile=name.endswith(COMPILED), torch_gemm=base == TORCH_GEMM,
+                        compile_mode=compile_mode)
 
 
 def variant_flops(variants: dict[str, tuple[ModelConfig, RoutingConfig]], seq_len: int) -> dict[str, float]:
@@ -279,8 +298,8 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
 
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
-          variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048
-          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
+          variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048,
+          compile_mode: str = "default") -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
     """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: flops.cpu_gemms, CPU: the
     process's minor page faults in each timed step of each variant).
 
@@ -292,7 +311,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     if torch.device(device).type == "cuda":
         for name, (shape, routing) in variants.items():
-            trainer = variant_trainer(name, shape, routing, precision, batch, seq_len, device)
+            trainer = variant_trainer(name, shape, routing, precision, batch, seq_len, device, compile_mode)
             for i in range(warmup + steps):
                 phases = trainer.step()
                 if i >= warmup:
@@ -300,7 +319,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
             del trainer
             torch.cuda.empty_cache()
         return times, {}, {}
-    trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len)
+    trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len, compile_mode=compile_mode)
                 for name, (shape, r) in variants.items()}
     dtype = PRECISION_DTYPES[precision]
     gemms = cpu_gemms(dtype)
@@ -325,10 +344,11 @@ class Profiled(NamedTuple):
 
 def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows: int = 25, device: str = "cpu",
                   shape: Optional[ModelConfig] = None, routing: Optional[RoutingConfig] = None,
-                  name: str = "mod") -> Profiled:
+                  name: str = "mod", compile_mode: str = "default") -> Profiled:
     """Operator table (self CPU time; self device time on CUDA) of training steps of variant `name`,
     to see where time goes, and its op_times for profile_diff."""
-    trainer = variant_trainer(name, shape or SHAPE, routing or VARIANTS["mod"], precision, batch, seq_len, device)
+    trainer = variant_trainer(name, shape or SHAPE, routing or VARIANTS["mod"], precision, batch, seq_len, device,
+                              compile_mode)
     trainer.step()  # warm up allocator and kernels (and compile) outside the profile
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -377,14 +397,15 @@ def profile_diff(ops: dict[str, dict[str, tuple[float, float]]], base: str = "de
 
 
 def print_profiles(precision: str, batch: int, seq_len: int, variants: dict[str, tuple[ModelConfig, RoutingConfig]],
-                   device: str = "cpu") -> None:
+                   device: str = "cpu", compile_mode: str = "default") -> None:
     """--profile: each variant's profile_steps table, then profile_diff of them all against dense."""
     cuda = device == "cuda"
     ops = {}
     for name, (shape, routing) in variants.items():
         what = "device time per op; host time and syncs" if cuda else "wall time per op"
         print(f"\n[{precision}] profile of {name} steps ({what})")
-        profiled = profile_steps(precision, batch, seq_len, device=device, shape=shape, routing=routing, name=name)
+        profiled = profile_steps(precision, batch, seq_len, device=device, shape=shape, routing=routing, name=name,
+                                 compile_mode=compile_mode)
         print(profiled.table)
         ops[name] = profiled.ops
     print(f"\n[{precision}] {'device' if cuda else 'CPU'} time per op, each variant against dense\n" + profile_diff(ops))
@@ -605,6 +626,12 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     return batch * new_tokens / elapsed, (float(torch.stack(executed).mean()) if executed else None)
 
 
+def compile_line(mode: str, cuda: bool) -> str:
+    """The header's line on the `+compile` variants' torch.compile mode."""
+    graphs = (" (records CUDA graphs)" if cuda else " (CUDA graphs: none on CPU tensors)") if mode in CUDA_GRAPH_MODES else ""
+    return f"+compile variants: torch.compile mode {mode}{graphs}"
+
+
 def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> None:
     props = torch.cuda.get_device_properties(0)
     peak, source = device_peak_tflops(args.peak_tflops)
@@ -614,6 +641,8 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
     print(f"shape: {first.n_layers} layers, d_model {first.d_model}, {first.n_heads} heads, vocab {first.vocab_size}; "
           f"variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed steps; fp32 weights, "
           f"autocast, fused AdamW")
+    if args.compile:
+        print(compile_line(args.compile_mode, cuda=True))
     for precision in args.precision:
         dtype = PRECISION_DTYPES[precision]
         matmul = measure_matmul_flops(dtype, "cuda", n=8192, iters=20) / 1e12
@@ -624,14 +653,14 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
         for batch in args.batch:
             try:
                 times, _, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
-                                 variants=variants)
+                                    variants=variants, compile_mode=args.compile_mode)
             except torch.cuda.OutOfMemoryError:
                 print(f"[{precision}] micro-batch {batch} x {args.seq_len}: out of memory")
                 torch.cuda.empty_cache()
                 continue
             print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
             if args.profile:
-                print_profiles(precision, batch, args.seq_len, variants, device="cuda")
+                print_profiles(precision, batch, args.seq_len, variants, device="cuda", compile_mode=args.compile_mode)
     if args.sample:
         print_sampling(args, variants, PRECISION_DTYPES[args.precision[0]], "cuda")
 
@@ -705,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="also time each variant (but reference) with its blocks torch.compile'd, as "
                              "`<variant>+compile` (train.compile: true)")
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                        help="torch.compile's mode for --compile; reduce-overhead and max-autotune record CUDA "
+                             "graphs of the compiled blocks on a GPU (the host then issues a block's kernels at once)")
     parser.add_argument("--profile", action="store_true",
                         help="also print torch.profiler tables of each variant's steps (CUDA: with the host's issue "
                              "time per phase and the step's host syncs, by call site), then each variant against "
@@ -732,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.variants and "dense" not in variants:  # a dense --config counts: its variant is dense
         parser.error("--variants must include dense (ratios are to dense), or --config a dense model")
+    if args.compile_mode != "default" and not args.compile:
+        parser.error(f"--compile-mode {args.compile_mode} needs --compile")
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
@@ -762,17 +796,19 @@ def main(argv: list[str] | None = None) -> int:
               f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
         print(applied.line)
+        if args.compile:
+            print(compile_line(args.compile_mode, cuda=False))
         print("train FLOPs/token (analytic; gpt2: counted relative to dense): " + ", ".join(f"{name} {f / 1e6:.1f} M" for name, f in flops.items()))
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
         for precision in args.precision:
             times, peaks, faults = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock,
-                                         variants=variants, peak_size=args.peak_size)
+                                         variants=variants, peak_size=args.peak_size, compile_mode=args.compile_mode)
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
             print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target, faults,
                                       applied.kept), flush=True)
             if args.profile:
-                print_profiles(precision, batch, args.seq_len, variants)
+                print_profiles(precision, batch, args.seq_len, variants, compile_mode=args.compile_mode)
     if args.sample:
         print_sampling(args, variants, PRECISION_DTYPES[args.precision[0]], "cpu")
     return 0

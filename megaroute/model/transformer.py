@@ -25,7 +25,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ from .rope import Positions, RotaryEmbedding
 from .routing import DenseLayer, RoutingContext, build_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch.compile's modes that compile_blocks takes; the last two record CUDA graphs of what they compile.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+CUDA_GRAPH_MODES = COMPILE_MODES[2:]
 
 
 def _compiled_update(compiled, block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -54,6 +57,22 @@ def _compiled_update(compiled, block: TransformerBlock, x: torch.Tensor, cos: to
     if pos is not None:
         return TransformerBlock._update(block, x, cos, sin, pos)
     return compiled(block, x, cos, sin)
+
+
+@dataclass(frozen=True)
+class _GradOnly:
+    """`compiled` where autograd records (training), else `eager`: the guard compile_blocks puts on
+    functions compiled with CUDA graphs. In training, torch's CUDA-graph trees keep a forward's
+    outputs alive until its backward has run (or the next cudagraph_mark_step_begin). Under no_grad,
+    unless a mark precedes every forward, each entry into a compiled function starts a new
+    generation (torch counts the entries), so the next layer's replay of the shared block graph would
+    overwrite an output the model still holds (the residual stream, a routed layer's skipped rows)."""
+
+    compiled: Callable
+    eager: Callable
+
+    def __call__(self, *args):
+        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args)
 
 
 @dataclass
@@ -127,7 +146,8 @@ class Transformer(nn.Module):
                 module.fused = fused
         return self
 
-    def compile_blocks(self, backend: str = "inductor", dynamic: Optional[bool] = False) -> "Transformer":
+    def compile_blocks(self, backend: str = "inductor", dynamic: Optional[bool] = False,
+                       mode: str = "default") -> "Transformer":
         """torch.compile each block's dense math, in place: TransformerBlock._update (norms, attention,
         SwiGLU), the piece dense, MoD, the capacity baselines, soft halting and early exit all run.
         MoD's training-time layer is compiled whole (MoDLayer.topk_forward: router, top-k, the causal
@@ -147,8 +167,25 @@ class Transformer(nn.Module):
         (causal_attention: bf16 the blocked matmuls, float32 the fused kernels; traced, they were
         torch's CPU flash kernel or full T x T scores, 1.7-3x their time). Activation checkpointing recomputes the
         compiled function; the model then no longer pickles.
+
+        `mode` is torch.compile's (COMPILE_MODES; inductor only). "reduce-overhead" and "max-autotune"
+        record CUDA graphs of the compiled functions on a GPU (replayed without the host issuing each
+        kernel: the eager and compiled 157m steps were host-bound on an H200), for training forwards
+        only: under no_grad the eager functions run (_GradOnly). A training loop then calls
+        torch.compiler.cudagraph_mark_step_begin() before each step's forward (bench.step's Trainer
+        does), and holds no output of a step past the next step's forward. On CPU tensors inductor
+        records no graphs. Not yet run on a GPU.
         """
-        compiled = torch.compile(TransformerBlock._update, backend=backend, dynamic=dynamic)
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+        if mode != "default" and backend != "inductor":
+            raise ValueError(f"compile mode {mode!r} needs the inductor backend, not {backend!r}")
+
+        def compile_(fn):
+            out = torch.compile(fn, backend=backend, dynamic=dynamic, mode=None if mode == "default" else mode)
+            return _GradOnly(out, fn) if mode in CUDA_GRAPH_MODES else out
+
+        compiled = compile_(TransformerBlock._update)
         whole: dict[type, object] = {}  # one compiled topk_forward per layer type, shared like the blocks'
         for layer in self.layers:
             # A partial, not a closure: deepcopy maps its block argument to the copied block.
@@ -156,7 +193,7 @@ class Transformer(nn.Module):
             kind = type(layer)
             if getattr(kind, "topk_forward", None) is not None:  # MoD, the capacity baselines: their training layer whole
                 if kind not in whole:
-                    whole[kind] = torch.compile(kind.topk_forward, backend=backend, dynamic=dynamic)
+                    whole[kind] = compile_(kind.topk_forward)
                 layer.compiled_topk = whole[kind]
         return self
 

@@ -145,14 +145,16 @@ def test_activation_checkpointing_gives_the_same_gradients(make_model, name):
         _assert_close(grads[1][key], grads[0][key], rtol=1e-5, atol=1e-6, label=key)
 
 
-@pytest.mark.parametrize("name", ["dense", "mod", "mod_predictor", "stride"])
-def test_compiled_model_trains_like_eager_on_cuda(make_model, name):
+@pytest.mark.parametrize("name,mode", [*((n, "default") for n in ("dense", "mod", "mod_predictor", "stride")),
+                                       ("dense", "reduce-overhead"), ("mod", "reduce-overhead")])
+def test_compiled_model_trains_like_eager_on_cuda(make_model, name, mode):
     """train.compile on a GPU (Transformer.compile_blocks with inductor: the blocks, and MoD's and a
     capacity baseline's whole training layer), three batches in fp32: the eager model's losses, routing statistics and
     gradients; then bf16 autocast: the same loss to bf16's precision (a near-tie in top-k may route
     one token differently there, so gradients are only checked finite); no graph breaks. The eager
     CUDA model runs the Triton SwiGLU / RMSNorm / RoPE kernels, the compiled one inductor's fusion of
-    the plain ops."""
+    the plain ops. "reduce-overhead" replays CUDA graphs of the compiled functions in training (each
+    step marked, as bench.step's Trainer does) and runs the eager ones under no_grad."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -161,12 +163,13 @@ def test_compiled_model_trains_like_eager_on_cuda(make_model, name):
     counters.clear()
     eager, cfg = make_model(*METHODS[name], *ROUTE_ALL, seed=0)
     eager.cuda().train()
-    compiled = copy.deepcopy(eager).compile_blocks()
+    compiled = copy.deepcopy(eager).compile_blocks(mode=mode)
     gen = torch.Generator().manual_seed(0)
     for autocast, tol in ((False, dict(rtol=1e-4, atol=1e-5)), (True, dict(rtol=3e-2, atol=3e-2))):
         for _ in range(3):
             x, y = (t.cuda() for t in _batch(cfg, seed=int(torch.randint(0, 10**6, (), generator=gen))))
             outs = []
+            torch.compiler.cudagraph_mark_step_begin()
             for model in (eager, compiled):
                 model.zero_grad(set_to_none=True)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -181,6 +184,9 @@ def test_compiled_model_trains_like_eager_on_cuda(make_model, name):
             _assert_close(got.routing_stats, want.routing_stats, "routing stats", **tol)
             for key in want_grads:
                 _assert_close(got_grads[key], want_grads[key], label=key, **tol)
+    with torch.no_grad():
+        want, got = (model(x, y).loss for model in (eager, compiled))
+    _assert_close(got, want, "no_grad loss", rtol=1e-4, atol=1e-5)
     assert dict(counters["graph_break"]) == {}
     torch._dynamo.reset()
 

@@ -227,11 +227,58 @@ def test_cached_decoding_stays_eager_and_matches(dynamo):
     assert _graphs() == 0  # the KV-cache path never reaches the compiled function
 
 
+def test_compile_modes_reach_torch_compile_and_cuda_graphs_serve_training_forwards_only(monkeypatch):
+    """compile_blocks(mode=): torch.compile gets the mode for the blocks and MoD's whole layer; with a
+    mode that records CUDA graphs the compiled functions run where autograd records (a training
+    forward) and the eager ones under no_grad, where CUDA-graph trees would replay one block graph
+    over an output the model still holds. torch.compile is replaced by a recorder here (its modes'
+    code generation is inductor's; the slow test below runs it)."""
+    compiled_calls: list[str] = []
+
+    def recording_compile(fn, **kwargs):
+        recorded.append((fn.__name__, kwargs))
+
+        def run(*args):
+            compiled_calls.append(fn.__name__)
+            return fn(*args)
+        return run
+
+    torch.manual_seed(0)
+    eager = build_model(CFG, MOD)
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
+    for mode, graphs in (("default", False), ("max-autotune-no-cudagraphs", False), ("reduce-overhead", True)):
+        recorded: list[tuple[str, dict]] = []
+        monkeypatch.setattr(torch, "compile", recording_compile)
+        compiled = copy.deepcopy(eager).compile_blocks(mode=mode)
+        monkeypatch.undo()
+        want_mode = None if mode == "default" else mode
+        assert recorded == [("_update", dict(backend="inductor", dynamic=False, mode=want_mode)),
+                            ("topk_forward", dict(backend="inductor", dynamic=False, mode=want_mode))]
+        compiled_calls.clear()
+        _assert_same_step(eager, compiled, tokens, 1e-6)
+        # 2 dense blocks, 2 routed layers and their blocks (which torch.compile would trace into the layer's graph)
+        calls = ["_update"] * 4 + ["topk_forward"] * 2
+        assert sorted(compiled_calls) == calls
+        compiled_calls.clear()
+        with torch.no_grad():
+            got = compiled(tokens[:, :-1], targets=tokens[:, 1:]).loss
+            torch.testing.assert_close(got, eager(tokens[:, :-1], targets=tokens[:, 1:]).loss)
+        assert sorted(compiled_calls) == ([] if graphs else calls)
+    for kwargs, message in ((dict(mode="fast"), "compile mode 'fast': expected one of default, "),
+                            (dict(mode="reduce-overhead", backend="aot_eager"), "needs the inductor backend")):
+        with pytest.raises(ValueError, match=message):
+            copy.deepcopy(eager).compile_blocks(**kwargs)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("routing", [RoutingConfig(), MOD], ids=["dense", "mod"])
-def test_inductor_compiled_blocks_match_eager(dynamo, routing):
-    """The fused math, as train.compile runs it (the reference math traces to the same ops in float32)."""
-    eager, compiled = _pair(routing, "inductor", fused=True)
+@pytest.mark.parametrize("routing,mode", [(RoutingConfig(), "default"), (MOD, "reduce-overhead")],
+                         ids=["dense", "mod-reduce-overhead"])
+def test_inductor_compiled_blocks_match_eager(dynamo, routing, mode):
+    """The fused math, as train.compile runs it (the reference math traces to the same ops in float32);
+    MoD with CUDA graphs' mode, which on CPU tensors records none and runs inductor's code."""
+    torch.manual_seed(0)
+    eager = build_model(CFG, routing).set_fused(True)
+    compiled = copy.deepcopy(eager).compile_blocks(mode=mode)
     tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
     _assert_same_step(eager, compiled, tokens, 1e-5)
     assert dict(dynamo["graph_break"]) == {}
