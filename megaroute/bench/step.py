@@ -39,8 +39,9 @@ twin of each variant (but reference and dense_torch_gemm), its blocks compiled (
 `train.compile: true` runs; gpt2+compile: the whole model, as nanoGPT compiles it), interleaved
 with the rest; compilation happens in the warmup steps, so it is not timed. `--compile-mode` picks
 torch.compile's mode for them: `reduce-overhead` and `max-autotune` record CUDA graphs of the
-compiled blocks on a GPU, for the host-bound steps there (README, CUDA), and each step then marks
-its start (torch.compiler.cudagraph_mark_step_begin); on CPU tensors no graphs are recorded.
+compiled blocks on a GPU, for the host-bound steps there (README, CUDA), recorded in the second
+warmup step (so they need --warmup >= 2), and each step then marks its start
+(torch.compiler.cudagraph_mark_step_begin); on CPU tensors no graphs are recorded.
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
 variants' steps are interleaved round by round (each round in its own shuffled order) so machine
@@ -349,7 +350,8 @@ def profile_steps(precision: str, batch: int, seq_len: int, steps: int = 3, rows
     to see where time goes, and its op_times for profile_diff."""
     trainer = variant_trainer(name, shape or SHAPE, routing or VARIANTS["mod"], precision, batch, seq_len, device,
                               compile_mode)
-    trainer.step()  # warm up allocator and kernels (and compile) outside the profile
+    for _ in range(2 if trainer.mark_steps else 1):  # allocator, kernels, compilation (and recording CUDA graphs)
+        trainer.step()
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -769,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
+        if args.compile_mode in CUDA_GRAPH_MODES and args.warmup < 2:
+            parser.error(f"--compile-mode {args.compile_mode} needs --warmup >= 2 (the second step records the CUDA graphs)")
         # no compiled twin of dense_torch_gemm: its comparison of GEMM libraries is made eagerly
         variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name not in (REFERENCE, TORCH_GEMM)})
     if args.seq_len is None:  # the device's default, or the shortest context among the models compared

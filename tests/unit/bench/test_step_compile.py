@@ -32,6 +32,9 @@ def test_compile_mode_needs_compile_and_is_named_in_the_header(capsys):
         step.main(["--variants", "dense", "--compile-mode", "reduce-overhead"])
     assert "--compile-mode reduce-overhead needs --compile" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        step.main(["--variants", "dense", "--compile", "--compile-mode", "max-autotune", "--warmup", "1"])
+    assert "--compile-mode max-autotune needs --warmup >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         step.main(["--variants", "dense", "--compile", "--compile-mode", "fast"])
     assert "invalid choice: 'fast'" in capsys.readouterr().err
     assert step.compile_line("reduce-overhead", cuda=True) == \
