@@ -145,6 +145,7 @@ class Trainer:
     forward_kwargs: dict = field(default_factory=dict)
     # compiled with CUDA graphs (--compile-mode): each step starts a new graph generation
     mark_steps: bool = False
+    loss: Optional[torch.Tensor] = None  # the last step's (detached; computed eagerly, outside any graph)
 
     @property
     def device(self) -> torch.device:
@@ -168,6 +169,7 @@ class Trainer:
         self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
+        self.loss = loss.detach()
         t1 = clock()
         loss.backward()
         t2 = clock()
@@ -185,6 +187,7 @@ class Trainer:
         self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
+        self.loss = loss.detach()
         events[1].record()
         marks.append(time.perf_counter())
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -33,6 +33,29 @@ def test_cuda_trainer_step_updates_parameters_and_times_phases():
     assert not trainer.model.layers[1].router.weight.detach().equal(before)
 
 
+@pytest.mark.parametrize("name", ["dense", "mod"])
+def test_cuda_graph_trainer_steps_like_the_eager_one(name):
+    """`--compile --compile-mode reduce-overhead`: the trainer's blocks (and MoD's training layer)
+    replay CUDA graphs from the third step (the first compiles and warms up, the second records);
+    every step's loss is the eager trainer's to bf16 autocast's precision (same seed, same batch,
+    so the same weights step by step), and each step moves the weights."""
+    torch._dynamo.reset()
+    eager = step.make_trainer(step.VARIANTS[name], "bf16", batch=2, seq_len=64, device="cuda")
+    graphs = step.make_trainer(step.VARIANTS[name], "bf16", batch=2, seq_len=64, device="cuda", compile=True,
+                               compile_mode="reduce-overhead")
+    assert graphs.mark_steps and not eager.mark_steps
+    for _ in range(4):
+        losses = []
+        for trainer in (eager, graphs):
+            before = trainer.model.layers[1].block.attn.qkv.weight.detach().clone()
+            phases = trainer.step()
+            losses.append(trainer.loss.item())
+            assert all(t > 0 for t in phases.values())
+            assert not trainer.model.layers[1].block.attn.qkv.weight.detach().equal(before)
+        assert losses[1] == pytest.approx(losses[0], rel=3e-2, abs=3e-2), losses
+    torch._dynamo.reset()
+
+
 def _known_gpu() -> bool:
     from megaroute.flops import peak_flops
 
