@@ -145,7 +145,9 @@ class Trainer:
     forward_kwargs: dict = field(default_factory=dict)
     # compiled with CUDA graphs (--compile-mode): each step starts a new graph generation
     mark_steps: bool = False
-    loss: Optional[torch.Tensor] = None  # the last step's (detached; computed eagerly, outside any graph)
+    # the last step's, detached: read it before the next step (a whole-model CUDA graph, gpt2+compile's,
+    # reuses its output memory there)
+    loss: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -303,7 +305,8 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
           variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048,
-          compile_mode: str = "default") -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
+          compile_mode: str = "default"
+          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
     """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: flops.cpu_gemms, CPU: the
     process's minor page faults in each timed step of each variant).
 
@@ -633,8 +636,10 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
 
 def compile_line(mode: str, cuda: bool) -> str:
     """The header's line on the `+compile` variants' torch.compile mode."""
-    graphs = (" (records CUDA graphs)" if cuda else " (CUDA graphs: none on CPU tensors)") if mode in CUDA_GRAPH_MODES else ""
-    return f"+compile variants: torch.compile mode {mode}{graphs}"
+    if mode not in CUDA_GRAPH_MODES:
+        return f"+compile variants: torch.compile mode {mode}"
+    return f"+compile variants: torch.compile mode {mode} " + ("(records CUDA graphs)" if cuda else
+                                                              "(CUDA graphs: none on CPU tensors)")
 
 
 def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> None:
@@ -775,7 +780,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup < 1:
             parser.error("--compile needs --warmup >= 1 (the first step compiles)")
         if args.compile_mode in CUDA_GRAPH_MODES and args.warmup < 2:
-            parser.error(f"--compile-mode {args.compile_mode} needs --warmup >= 2 (the second step records the CUDA graphs)")
+            parser.error(f"--compile-mode {args.compile_mode} needs --warmup >= 2 "
+                         "(the second step records the CUDA graphs)")
         # no compiled twin of dense_torch_gemm: its comparison of GEMM libraries is made eagerly
         variants.update({f"{name}{COMPILED}": v for name, v in list(variants.items()) if name not in (REFERENCE, TORCH_GEMM)})
     if args.seq_len is None:  # the device's default, or the shortest context among the models compared
