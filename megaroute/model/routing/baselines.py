@@ -13,6 +13,8 @@ They answer "does the learned router beat a choice that ignores the content?" at
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -53,14 +55,17 @@ class CapacityBaselineLayer(nn.Module):
         """first_k picks positions < round(c * T) of the current call, so decoding step by step changes it."""
         return self.method != "first_k"
 
-    def select(self, x: torch.Tensor, pos: Positions, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (indices [B, k] ascending, valid [B, k] or None when every row is real)."""
+    def select(self, x: torch.Tensor, pos: Positions, causal: bool,
+               draws: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (indices [B, k] ascending, valid [B, k] or None when every row is real); random picks by
+        `draws` (uniform [B, T]; drawn here when None)."""
         B, T, _ = x.shape
         k = dispatch.capacity_k(T, self.capacity)
         if self.method == "random":
+            draws = torch.rand(B, T, device=x.device) if draws is None else draws
             if causal:
-                return dispatch.mask_indices(torch.rand(B, T, device=x.device) < self.capacity)
-            return dispatch.topk_indices(torch.rand(B, T, device=x.device), k), None
+                return dispatch.mask_indices(draws < self.capacity)
+            return dispatch.topk_indices(draws, k), None
         # Positional rules read each token's own (original) position: causal in every mode.
         if pos.start is not None:
             return self._columns(pos.start, T, k, x.device).expand(B, -1), None
@@ -80,7 +85,10 @@ class CapacityBaselineLayer(nn.Module):
         T = x.shape[1]
         fixed_k = self.method == "random" or pos.start is not None  # no count read on the host
         if not ctx.causal and pos.kv is None and not ctx.hooks(name) and fixed_k:
-            out, selected = run_topk_forward(self, x, pos)  # torch.compile'd whole with train.compile
+            # random's draws are made here, eagerly: traced, torch.rand would be inductor's own generator
+            # (philox), and a compiled run would pick other tokens than an eager one of the same seed
+            draws = torch.rand(x.shape[:2], device=x.device) if self.method == "random" else None
+            out, selected = run_topk_forward(self, x, pos, draws)  # torch.compile'd whole with train.compile
         else:
             idx, valid = ctx.route_indices(name, *self.select(x, pos, ctx.causal), T)
             selected = dispatch.selected_fraction(idx, valid, T)
@@ -89,11 +97,12 @@ class CapacityBaselineLayer(nn.Module):
         ctx.add_exec(name, selected)
         return out
 
-    def topk_forward(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training-time layer with k fixed (random's top-k of uniform draws, or in-order
+    def topk_forward(self, x: torch.Tensor, pos: Positions,
+                     draws: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training-time layer with k fixed (random's top-k of its uniform `draws`, or in-order
         positions' host-side columns), as one function torch.compile traces whole: -> (output,
         selected fraction)."""
-        idx, valid = self.select(x, pos, causal=False)
+        idx, valid = self.select(x, pos, causal=False, draws=draws)
         return (update_selected(self.block, x, pos, idx, valid=valid, dispatcher=self.dispatcher),
                 dispatch.selected_fraction(idx, valid, x.shape[1]))
 

@@ -89,10 +89,10 @@ def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask
                               None if weight is None else weight.reshape(-1).index_select(0, rows))
 
 
-def run_topk_forward(layer, x: torch.Tensor, pos: Positions):
-    """layer.topk_forward(x, pos): the layer's training-time ("topk" mode) forward as one function,
+def run_topk_forward(layer, x: torch.Tensor, pos: Positions, *args):
+    """layer.topk_forward(x, pos, *args): the layer's training-time ("topk" mode) forward as one function,
     through its torch.compile'd twin when Transformer.compile_blocks set `layer.compiled_topk` and
     the block does not checkpoint activations (checkpointing stays outside compiled graphs)."""
     compiled = layer.compiled_topk is not None and not layer.block.checkpoint_activations
-    return (layer.compiled_topk if compiled else type(layer).topk_forward)(layer, x, pos)
+    return (layer.compiled_topk if compiled else type(layer).topk_forward)(layer, x, pos, *args)
 
