@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -57,9 +58,15 @@ def _run(model, tokens, autocast: bool = False):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _assert_same_step(eager, compiled, tokens, tol, autocast: bool = False):
-    loss_e, grads_e = _step(eager, tokens, autocast)
-    loss_c, grads_c = _step(compiled, tokens, autocast)
+def _assert_same_step(eager, compiled, tokens, tol, autocast: bool = False, seed: Optional[int] = None):
+    """One training step of each: the same loss and gradients to `tol`; `seed`: the global generator
+    seeded before each step (random routing's draws, the depth gate's rank-loss pairs)."""
+    outs = []
+    for model in (eager, compiled):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outs.append(_step(model, tokens, autocast))
+    (loss_e, grads_e), (loss_c, grads_c) = outs
     torch.testing.assert_close(loss_c, loss_e, rtol=tol, atol=tol)
     assert grads_c.keys() == grads_e.keys()
     for name in grads_e:
@@ -211,15 +218,7 @@ def test_other_methods_train_compiled_like_eager_without_breaks(dynamo, make_mod
     compiled = copy.deepcopy(eager).compile_blocks(backend="aot_eager")
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
-    outs = []
-    for model in (eager, compiled):
-        torch.manual_seed(5)  # the depth gate's rank loss draws pairs
-        outs.append(_step(model, tokens))
-    (loss_e, grads_e), (loss_c, grads_c) = outs
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    assert grads_c.keys() == grads_e.keys()
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    _assert_same_step(eager, compiled, tokens, 1e-5, seed=5)
     assert dict(dynamo["graph_break"]) == {} and _graphs() >= 1
 
 
@@ -311,15 +310,7 @@ def test_inductor_compiled_blocks_match_eager(dynamo, routing, mode):
     eager = build_model(CFG, routing).set_fused(True)
     compiled = copy.deepcopy(eager).compile_blocks(mode=mode)
     tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
-    outs = []
-    for model in (eager, compiled):
-        torch.manual_seed(1)  # random's draws
-        outs.append(_step(model, tokens))
-    (loss_e, grads_e), (loss_c, grads_c) = outs
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    assert grads_c.keys() == grads_e.keys()
-    for name in grads_e:
-        torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-5, atol=1e-5, msg=name)
+    _assert_same_step(eager, compiled, tokens, 1e-5, seed=1)
     assert dict(dynamo["graph_break"]) == {}
 
 
