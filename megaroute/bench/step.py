@@ -171,13 +171,13 @@ class Trainer:
         self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
-        self.loss = loss.detach()
         t1 = clock()
         loss.backward()
         t2 = clock()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         t3 = clock()
+        self.loss = loss.detach()  # outside the timed phases
         return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
 
     def _cuda_step(self, host: Optional[dict[str, float]] = None) -> dict[str, float]:
@@ -189,7 +189,6 @@ class Trainer:
         self._begin()
         with self.autocast():
             loss = self.model(self.tokens, targets=self.targets, **self.forward_kwargs).loss
-        self.loss = loss.detach()
         events[1].record()
         marks.append(time.perf_counter())
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -203,6 +202,7 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         events[3].record()
         marks.append(time.perf_counter())
+        self.loss = loss.detach()  # outside the timed phases
         events[3].synchronize()
         if host is not None:
             host.update({ph: marks[i + 1] - marks[i] for i, ph in enumerate(PHASES)},
