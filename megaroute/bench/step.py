@@ -41,7 +41,10 @@ with the rest; compilation happens in the warmup steps, so it is not timed. `--c
 torch.compile's mode for them: `reduce-overhead` and `max-autotune` record CUDA graphs of the
 compiled blocks on a GPU, for the host-bound steps there (README, CUDA), recorded in the second
 warmup step (so they need --warmup >= 2), and each step then marks its start
-(torch.compiler.cudagraph_mark_step_begin); on CPU tensors no graphs are recorded.
+(torch.compiler.cudagraph_mark_step_begin); on CPU tensors no graphs are recorded. On CUDA the
+report says whether inductor recorded every compiled graph of those variants; a variant with graphs
+it skipped (and so ran kernel by kernel) is flagged CUDA GRAPHS SKIPPED on its line, with the reasons
+inductor logged (GraphSkips).
 
 CPU (default): the 6-layer/384 shape (nanoGPT's: 6 heads, T 256, batch 8, vocab 8192); the
 variants' steps are interleaved round by round (each round in its own shuffled order) so machine
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import os
 import statistics
 import time
@@ -127,6 +131,7 @@ VARIANT_NAMES = (REFERENCE, BASELINE, TORCH_GEMM, *VARIANTS)
 PHASES = ("forward", "backward", "optimizer")
 PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # megaroute/: host_report names call sites under it
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CUDAGRAPH_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"  # where inductor logs why it skipped a graph
 SHAPES = ("small", "157m", "350m", "760m", "1b")  # small = SHAPE; the others: configs/{dense,mod}_<size>.yaml
 AMP_DTYPES = {name: dtype for name, dtype in PRECISION_DTYPES.items() if name != "fp32"}  # autocast's
 
@@ -302,13 +307,53 @@ def load_variants(shape: str = "small", configs: Optional[list[str]] = None) -> 
     return out
 
 
+class GraphSkips:
+    """While active (re-entrant: counts add up): how many compiled graphs inductor declined to record
+    as CUDA graphs (its `cudagraph_skips` counter) and the reasons it logged. A graph mode's step times
+    are then those of compiled kernels issued one by one, and its report must say so. On CPU tensors
+    every graph is skipped (counted, no reason logged)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.reasons: list[str] = []
+        self._handler = _ReasonHandler(self.reasons)
+
+    def __enter__(self) -> "GraphSkips":
+        from torch._dynamo.utils import counters  # dynamo takes ~1 s to import; only graph modes need it
+
+        self._counters = counters["inductor"]
+        self._start = self._counters["cudagraph_skips"]
+        logging.getLogger(CUDAGRAPH_LOGGER).addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(CUDAGRAPH_LOGGER).removeHandler(self._handler)
+        self.count += self._counters["cudagraph_skips"] - self._start
+
+
+class _ReasonHandler(logging.Handler):
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self._reasons = reasons
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().strip()
+        if message not in self._reasons:
+            self._reasons.append(message)
+
+
+class Measured(NamedTuple):
+    times: dict[str, list[dict[str, float]]]  # per-step phase times of each variant
+    peaks: dict[str, list[float]]  # CPU: matmul FLOP/s samples per GEMM (flops.cpu_gemms)
+    faults: dict[str, list[int]]  # CPU: the process's minor page faults in each timed step of each variant
+    graph_skips: dict[str, GraphSkips]  # CUDA: each graph-mode (--compile-mode) variant's skipped graphs
+
+
 def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
           clock: Callable[[], float] = time.perf_counter, device: str = "cpu",
           variants: Optional[dict[str, tuple[ModelConfig, RoutingConfig]]] = None, peak_size: int = 2048,
-          compile_mode: str = "default"
-          ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[float]], dict[str, list[int]]]:
-    """-> (per-step phase times of each variant, matmul FLOP/s samples per GEMM: flops.cpu_gemms, CPU: the
-    process's minor page faults in each timed step of each variant).
+          compile_mode: str = "default") -> Measured:
+    """Times each variant's steps (Measured).
 
     CPU: one step of every variant per round, rounds repeated, and one timed matmul of each GEMM
     (the peak, in the step's compute dtype) per timed round, all with `clock`. CUDA: one variant after the other (a GPU is
@@ -317,15 +362,18 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
     variants = variants or {name: (SHAPE, VARIANTS.get(name, VARIANTS["dense"])) for name in VARIANT_NAMES}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     if torch.device(device).type == "cuda":
+        skips: dict[str, GraphSkips] = {}
         for name, (shape, routing) in variants.items():
             trainer = variant_trainer(name, shape, routing, precision, batch, seq_len, device, compile_mode)
+            watch = skips.setdefault(name, GraphSkips()) if trainer.mark_steps else nullcontext()
             for i in range(warmup + steps):
-                phases = trainer.step()
+                with watch:
+                    phases = trainer.step()
                 if i >= warmup:
                     times[name].append(phases)
             del trainer
             torch.cuda.empty_cache()
-        return times, {}, {}
+        return Measured(times, {}, {}, skips)
     trainers = {name: variant_trainer(name, shape, r, precision, batch, seq_len, compile_mode=compile_mode)
                 for name, (shape, r) in variants.items()}
     dtype = PRECISION_DTYPES[precision]
@@ -341,7 +389,7 @@ def bench(precision: str, steps: int, warmup: int, batch: int, seq_len: int,
                 faults[name].append(allocator.process_page_faults() - before)
         for gemm, matmul in gemms.items() if i >= warmup else ():
             peaks[gemm].append(measure_matmul_flops(dtype, n=peak_size, iters=1, clock=clock, matmul=matmul))
-    return times, peaks, faults
+    return Measured(times, peaks, faults, {})
 
 
 class Profiled(NamedTuple):
@@ -557,10 +605,13 @@ def device_peak_tflops(override: Optional[float] = None) -> tuple[Optional[float
 
 
 def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[dict[str, float]]],
-                flops: dict[str, float], peak: Optional[float], matmul: float) -> str:
+                flops: dict[str, float], peak: Optional[float], matmul: float,
+                graph_skips: Optional[dict[str, GraphSkips]] = None) -> str:
     """Per variant: median step time, tokens/s, achieved model TFLOP/s and MFU, and (with dense) its
     FLOPs share and step/dense; then dense against reference and gpt2, and the MoD target. The CPU
-    targets for dense (vs reference, vs gpt2) are not judged here: their ratios print as measured."""
+    targets for dense (vs reference, vs gpt2) are not judged here: their ratios print as measured.
+    `graph_skips` (graph modes): a variant some of whose compiled graphs ran without CUDA graphs is
+    flagged on its line, with the reasons inductor gave."""
     tokens = batch * seq_len
     medians = {name: statistics.median(sum(p.values()) for p in steps) for name, steps in times.items()}
     dense = medians.get("dense")
@@ -575,8 +626,11 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
         share = flops[name] / flops["dense"] if dense else None
         rel = (f"  FLOPs/dense {share:.3f}, step/dense {med / dense:.3f} = {med / dense / share:.2f}x its FLOPs share"
                if dense else "")
+        skipped = graph_skips.get(name) if graph_skips else None
+        flag = f"  [CUDA GRAPHS SKIPPED: {skipped.count}]" if skipped and skipped.count else ""
         lines.append(f"  {name:<{width}} step {med * 1e3:8.1f} ms  {tokens / med:9,.0f} tokens/s  {tflops:6.1f} TFLOP/s  "
-                     f"{mfu}  ({tflops / matmul:5.1%} of measured matmul)  [median ms: {phases}]{rel}")
+                     f"{mfu}  ({tflops / matmul:5.1%} of measured matmul)  [median ms: {phases}]{rel}{flag}")
+    lines += graph_lines(graph_skips or {})
     if dense and REFERENCE in medians:
         lines.append(f"  dense step vs reference (today's step): {medians[REFERENCE] / dense:.3f}x faster")
     if dense and BASELINE in medians:
@@ -588,6 +642,19 @@ def report_cuda(precision: str, batch: int, seq_len: int, times: dict[str, list[
         lines.append(f"  step-time ratio mod/dense {ratio:.3f} vs FLOPs ratio {flops_ratio:.3f}: "
                      f"{against(ratio / flops_ratio, TARGET)} x (target <= {TARGET}) {verdict}")
     return "\n".join(lines)
+
+
+def graph_lines(graph_skips: dict[str, GraphSkips]) -> list[str]:
+    """What became of the graph-mode variants' CUDA graphs: recorded throughout, or which variants'
+    times include compiled graphs run without them, and why."""
+    clean = [name for name, skips in graph_skips.items() if not skips.count]
+    lines = [f"  CUDA graphs: recorded for every compiled graph of {', '.join(clean)} (no skips)"] if clean else []
+    for name, skips in graph_skips.items():
+        if skips.count:
+            why = "; ".join(skips.reasons) or "no reason logged (TORCH_LOGS=cudagraphs shows them)"
+            lines.append(f"  CUDA GRAPHS SKIPPED for {name}: {skips.count} compiled graph(s) ran without them, so its "
+                         f"times are of kernels issued one by one there: {why}")
+    return lines
 
 
 @torch.no_grad()
@@ -662,13 +729,14 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
         flops = variant_flops(variants, args.seq_len)
         for batch in args.batch:
             try:
-                times, _, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
-                                    variants=variants, compile_mode=args.compile_mode)
+                measured = bench(precision, args.steps, args.warmup, batch, args.seq_len, device="cuda",
+                                 variants=variants, compile_mode=args.compile_mode)
             except torch.cuda.OutOfMemoryError:
                 print(f"[{precision}] micro-batch {batch} x {args.seq_len}: out of memory")
                 torch.cuda.empty_cache()
                 continue
-            print(report_cuda(precision, batch, args.seq_len, times, flops, peak, matmul), flush=True)
+            print(report_cuda(precision, batch, args.seq_len, measured.times, flops, peak, matmul,
+                              measured.graph_skips), flush=True)
             if args.profile:
                 print_profiles(precision, batch, args.seq_len, variants, device="cuda", compile_mode=args.compile_mode)
     if args.sample:
@@ -815,8 +883,9 @@ def main(argv: list[str] | None = None) -> int:
         if "mod" in flops:
             print(f"MoD FLOPs ratio {flops['mod'] / flops['dense']:.3f} (capacity {variants['mod'][1].capacity})")
         for precision in args.precision:
-            times, peaks, faults = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock,
-                                         variants=variants, peak_size=args.peak_size, compile_mode=args.compile_mode)
+            times, peaks, faults, _ = bench(precision, args.steps, args.warmup, batch, args.seq_len, clock,
+                                            variants=variants, peak_size=args.peak_size,
+                                            compile_mode=args.compile_mode)
             at_target = (shape, batch, args.seq_len) == TARGET_RUN
             print("\n" + report(precision, times, tokens, flops, peaks, args.peak_size, at_target, faults,
                                       applied.kept), flush=True)

@@ -38,21 +38,40 @@ def test_cuda_graph_trainer_steps_like_the_eager_one(name):
     """`--compile --compile-mode reduce-overhead`: the trainer's blocks (and MoD's training layer)
     replay CUDA graphs from the third step (the first compiles and warms up, the second records);
     every step's loss is the eager trainer's to bf16 autocast's precision (same seed, same batch,
-    so the same weights step by step), and each step moves the weights."""
+    so the same weights step by step), and each step moves the weights. Inductor skips no graph: a
+    skipped one would run its kernels one by one, and the mode's times would not be of graphs."""
     torch._dynamo.reset()
     eager = step.make_trainer(step.VARIANTS[name], "bf16", batch=2, seq_len=64, device="cuda")
     graphs = step.make_trainer(step.VARIANTS[name], "bf16", batch=2, seq_len=64, device="cuda", compile=True,
                                compile_mode="reduce-overhead")
     assert graphs.mark_steps and not eager.mark_steps
+    skips = step.GraphSkips()
     for _ in range(4):
         losses = []
         for trainer in (eager, graphs):
             before = trainer.model.layers[1].block.attn.qkv.weight.detach().clone()
-            phases = trainer.step()
+            with skips:
+                phases = trainer.step()
             losses.append(trainer.loss.item())
             assert all(t > 0 for t in phases.values())
             assert not trainer.model.layers[1].block.attn.qkv.weight.detach().equal(before)
         assert losses[1] == pytest.approx(losses[0], rel=3e-2, abs=3e-2), losses
+    assert skips.count == 0, skips.reasons
+    torch._dynamo.reset()
+
+
+def test_graph_mode_report_says_every_graph_was_recorded(capsys):
+    """`bench.step --device cuda --compile --compile-mode reduce-overhead` end to end: the report
+    says the compiled variants' graphs were all recorded (none flagged as skipped)."""
+    torch._dynamo.reset()
+    assert step.main(["--device", "cuda", "--shape", "small", "--variants", "dense", "mod", "--compile",
+                      "--compile-mode", "reduce-overhead", "--steps", "2", "--warmup", "2", "--batch", "2",
+                      "--seq-len", "64", "--precision", "bf16", "--no-sample",
+                      *([] if _known_gpu() else ["--peak-tflops", "100"])]) == 0
+    out = capsys.readouterr().out
+    assert "(records CUDA graphs)" in out
+    assert "CUDA graphs: recorded for every compiled graph of dense+compile, mod+compile (no skips)" in out, out
+    assert "SKIPPED" not in out
     torch._dynamo.reset()
 
 

@@ -154,7 +154,7 @@ def test_compiled_model_trains_like_eager_on_cuda(make_model, name, mode):
     one token differently there, so gradients are only checked finite); no graph breaks. The eager
     CUDA model runs the Triton SwiGLU / RMSNorm / RoPE kernels, the compiled one inductor's fusion of
     the plain ops. "reduce-overhead" replays CUDA graphs of the compiled functions in training (each
-    step marked, as bench.step's Trainer does) and runs the eager ones under no_grad."""
+    step marked, as bench.step's Trainer does), skipping none, and runs the eager ones under no_grad."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -188,6 +188,7 @@ def test_compiled_model_trains_like_eager_on_cuda(make_model, name, mode):
         want, got = (model(x, y).loss for model in (eager, compiled))
     _assert_close(got, want, "no_grad loss", rtol=1e-4, atol=1e-5)
     assert dict(counters["graph_break"]) == {}
+    assert counters["inductor"]["cudagraph_skips"] == 0  # in reduce-overhead every compiled graph is recorded
     torch._dynamo.reset()
 
 

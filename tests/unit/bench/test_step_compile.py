@@ -58,3 +58,51 @@ def test_cuda_graph_modes_mark_the_start_of_every_step(monkeypatch):
     baseline = step.make_trainer(step.VARIANTS["dense"], "fp32", 2, 16, shape=shape, baseline=True, compile=True,
                                  compile_mode="max-autotune")
     assert baseline.mark_steps
+
+
+def test_graph_skips_count_inductors_skipped_graphs_and_keep_its_reasons():
+    """GraphSkips reads inductor's own counter and log (real inductor): on CPU tensors a graph mode
+    records no graph, so its compiled graph counts as skipped; the default mode records none to skip.
+    A reason inductor logs (as it does for CUDA graphs) is kept once; counts add up over entries."""
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    def f(x, w):
+        return torch.relu(x @ w).sum()
+
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    counts = {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled, skips = torch.compile(f, mode=None if mode == "default" else mode), step.GraphSkips()
+        for _ in range(2):
+            with skips:
+                compiled(x, w).backward()
+        counts[mode] = skips.count
+    torch._dynamo.reset()
+    assert counts["default"] == 0 and counts["reduce-overhead"] >= 1, counts
+    skips = step.GraphSkips()
+    for _ in range(2):
+        with skips:
+            log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to cpu device")  # outside: not counted
+    assert skips.count == 2 and skips.reasons == ["skipping cudagraphs due to mutated inputs (1 instances)"]
+
+
+def test_cuda_report_flags_a_graph_mode_variant_whose_graphs_were_skipped():
+    steps = [{"forward": 0.02, "backward": 0.04, "optimizer": 0.004}] * 3
+    times = {"dense+compile": steps, "mod+compile": steps}
+    flops = {"dense+compile": 1e9, "mod+compile": 0.62e9}
+    clean, skipped = step.GraphSkips(), step.GraphSkips()
+    skipped.count, skipped.reasons[:] = 3, ["skipping cudagraphs due to mutated inputs (1 instances)"]
+    out = step.report_cuda("bf16", 2, 500, times, flops, 100.0, 80.0, {"dense+compile": clean, "mod+compile": skipped})
+    lines = out.splitlines()
+    assert lines[1].startswith("  dense+compile ") and "SKIPPED" not in lines[1]
+    assert lines[2].startswith("  mod+compile ") and lines[2].endswith("  [CUDA GRAPHS SKIPPED: 3]")
+    assert "  CUDA graphs: recorded for every compiled graph of dense+compile (no skips)" in lines
+    assert ("  CUDA GRAPHS SKIPPED for mod+compile: 3 compiled graph(s) ran without them, so its times are of "
+            "kernels issued one by one there: skipping cudagraphs due to mutated inputs (1 instances)") in lines
+    unexplained = step.GraphSkips()
+    unexplained.count = 1
+    assert "no reason logged (TORCH_LOGS=cudagraphs shows them)" in step.report_cuda(
+        "bf16", 2, 500, times, flops, 100.0, 80.0, {"mod+compile": unexplained})
+    assert "CUDA graph" not in step.report_cuda("bf16", 2, 500, times, flops, 100.0, 80.0)

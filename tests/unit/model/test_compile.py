@@ -314,6 +314,30 @@ def test_inductor_compiled_blocks_match_eager(dynamo, routing, mode):
     assert dict(dynamo["graph_break"]) == {}
 
 
+@pytest.mark.slow
+def test_compiled_mod_layer_mutates_only_static_inputs(dynamo):
+    """CUDA-graph trees record a compiled graph only if every input it mutates is static (a parameter
+    or buffer: its address never changes); otherwise inductor runs the graph without them, silently.
+    That condition holds on any device, so it is checked here on CPU (real inductor): MoD's compiled
+    training layer moves its threshold buffers, and those are all it mutates."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    graphs = []
+
+    def inner(gm, example_inputs, **kwargs):
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        graphs.append((set(compiled.mutated_input_idxs), set(kwargs["static_input_idxs"])))
+        return compiled
+
+    torch.manual_seed(0)
+    model = build_model(CFG, MOD).set_fused(True).compile_blocks(
+        backend=lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=inner))
+    _step(model, torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1)))
+    assert len(graphs) >= 4  # the block and the MoD layer, forward and backward
+    assert any(mutated for mutated, _ in graphs), "the threshold update left the compiled MoD layer"
+    assert all(mutated <= static for mutated, static in graphs), graphs
+
+
 def test_train_compile_config():
     tiny = str(REPO / "configs/tiny_mod.yaml")
     assert load_config(tiny, []).train.compile is False
