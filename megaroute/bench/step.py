@@ -319,9 +319,7 @@ class GraphSkips:
         self._handler = _ReasonHandler(self.reasons)
 
     def __enter__(self) -> "GraphSkips":
-        from torch._dynamo.utils import counters  # dynamo takes ~1 s to import; only graph modes need it
-
-        self._counters = counters["inductor"]
+        self._counters = torch._dynamo.utils.counters["inductor"]  # torch loads dynamo (~1 s) on first use
         self._start = self._counters["cudagraph_skips"]
         logging.getLogger(CUDAGRAPH_LOGGER).addHandler(self._handler)
         return self

@@ -146,7 +146,7 @@ class Transformer(nn.Module):
                 module.fused = fused
         return self
 
-    def compile_blocks(self, backend: str = "inductor", dynamic: Optional[bool] = False,
+    def compile_blocks(self, backend: "str | Callable" = "inductor", dynamic: Optional[bool] = False,
                        mode: str = "default") -> "Transformer":
         """torch.compile each block's dense math, in place: TransformerBlock._update (norms, attention,
         SwiGLU), the piece dense, MoD, the capacity baselines, soft halting and early exit all run.
@@ -174,7 +174,9 @@ class Transformer(nn.Module):
         only: under no_grad the eager functions run (_GradOnly). A training loop then calls
         torch.compiler.cudagraph_mark_step_begin() before each step's forward (bench.step's Trainer
         does), and holds no output of a step past the next step's forward. On CPU tensors inductor
-        records no graphs. Not yet run on a GPU.
+        records no graphs. Not yet run on a GPU. A graph inductor declines to record (a mutated input
+        that is not a parameter or buffer, a CPU tensor in it, ...) runs without one, silently:
+        bench.step counts those (GraphSkips). `backend` may be a callable (torch.compile's).
         """
         if mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
