@@ -699,6 +699,29 @@ def sampling_speed(shape: ModelConfig, routing: RoutingConfig, dtype: torch.dtyp
     return batch * new_tokens / elapsed, (float(torch.stack(executed).mean()) if executed else None)
 
 
+def layout_line(variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> str:
+    """The header's model shape (each variant's, where --config models differ) and the blocks each
+    routed variant routes (RoutingConfig.is_routed; --config files set their own)."""
+    base = {name.removesuffix(COMPILED): v for name, v in variants.items()}  # a +compile twin is its variant's
+    shapes: dict[str, list[str]] = {}
+    placements: dict[str, list[str]] = {}
+    for name, (shape, routing) in base.items():
+        shapes.setdefault(f"{shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, "
+                          f"vocab {shape.vocab_size}", []).append(name)
+        blocks = [i for i in range(shape.n_layers) if routing.is_routed(i)]
+        if blocks:
+            placements.setdefault(f"all {len(blocks)} blocks" if len(blocks) == shape.n_layers else
+                                  f"blocks {', '.join(map(str, blocks))} of {shape.n_layers} (0-based)", []).append(name)
+    parts = [f"shape: {next(iter(shapes))}"] if len(shapes) == 1 else \
+        [f"{', '.join(names)}: {shape}" for shape, names in shapes.items()]
+    if len(placements) == 1:
+        parts.append(f"routed variants route {next(iter(placements))}")
+    else:
+        parts += [f"{', '.join(names)} route{'s' if len(names) == 1 else ''} {where}"
+                  for where, names in placements.items()]
+    return "; ".join(parts)
+
+
 def compile_line(mode: str, cuda: bool) -> str:
     """The header's line on the `+compile` variants' torch.compile mode."""
     if mode not in CUDA_GRAPH_MODES:
@@ -710,11 +733,9 @@ def compile_line(mode: str, cuda: bool) -> str:
 def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> None:
     props = torch.cuda.get_device_properties(0)
     peak, source = device_peak_tflops(args.peak_tflops)
-    first = next(iter(variants.values()))[0]
     print(f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
           f"CUDA {torch.version.cuda}")
-    print(f"shape: {first.n_layers} layers, d_model {first.d_model}, {first.n_heads} heads, vocab {first.vocab_size}; "
-          f"variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed steps; fp32 weights, "
+    print(f"{layout_line(variants)}; variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed steps; fp32 weights, "
           f"autocast, fused AdamW")
     if args.compile:
         print(compile_line(args.compile_mode, cuda=True))
@@ -871,8 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = variant_flops(variants, args.seq_len)
     for batch in args.batch:
         tokens = batch * args.seq_len
-        print(f"shape: {shape.n_layers} layers, d_model {shape.d_model}, {shape.n_heads} heads, vocab {shape.vocab_size}; "
-              f"batch {batch} x seq {args.seq_len}; routed variants route every 2nd block; "
+        print(f"{layout_line(variants)}; batch {batch} x seq {args.seq_len}; "
               f"{args.threads} threads, {args.clock} clock, {args.warmup} warmup steps, torch {torch.__version__}")
         print(applied.line)
         if args.compile:

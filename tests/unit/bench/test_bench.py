@@ -406,3 +406,19 @@ def test_gpt2_baseline_trains_and_compares(capsys, small_shape):
     assert f"dense step / gpt2 step (nanoGPT's architecture, FLOPs ratio {ratio:.3f}): median 0.750, min 0.750 " \
            "(target <= 0.9) HOLDS" in out
     assert "target <=" not in step.report("fp32", steps, 64, flops, {"torch mm": [4e9]}, speedup_targets=False)
+
+
+def test_header_names_each_models_shape_and_the_blocks_it_routes():
+    """The header's layout line says what was compared: one shape when all share it, each model's
+    when --config files differ, and the blocks each routed variant routes (not assumed)."""
+    builtin = {name: (step.SHAPE, step.VARIANTS.get(name, step.VARIANTS["dense"]))
+               for name in ("dense", "gpt2", "mod", "halting", "mod+compile")}
+    assert step.layout_line(builtin) == ("shape: 6 layers, d_model 384, 6 heads, vocab 8192; "
+                                         "routed variants route blocks 1, 3, 5 of 6 (0-based)")
+    assert step.layout_line({"dense": builtin["dense"]}) == "shape: 6 layers, d_model 384, 6 heads, vocab 8192"
+    configs = step.load_variants(configs=[str(step.CONFIGS / name) for name in (
+        "tiny.yaml", "tiny_mod.yaml", "experiments/char_halting_st_s18.yaml", "experiments/char_g1.yaml")])
+    assert step.layout_line(configs) == (
+        "dense, mod: 4 layers, d_model 128, 4 heads, vocab 128; "
+        "halting_st_s18, g1: 6 layers, d_model 128, 4 heads, vocab 128; "
+        "mod routes blocks 1, 3 of 4 (0-based); halting_st_s18 routes all 6 blocks; g1 routes blocks 0, 2, 4 of 6 (0-based)")
