@@ -710,8 +710,9 @@ def layout_line(variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> str:
                           f"vocab {shape.vocab_size}", []).append(name)
         blocks = [i for i in range(shape.n_layers) if routing.is_routed(i)]
         if blocks:
-            placements.setdefault(f"all {len(blocks)} blocks" if len(blocks) == shape.n_layers else
-                                  f"blocks {', '.join(map(str, blocks))} of {shape.n_layers} (0-based)", []).append(name)
+            where = (f"all {len(blocks)} blocks" if len(blocks) == shape.n_layers else
+                     f"blocks {', '.join(map(str, blocks))} of {shape.n_layers} (0-based)")
+            placements.setdefault(where, []).append(name)
     parts = [f"shape: {next(iter(shapes))}"] if len(shapes) == 1 else \
         [f"{', '.join(names)}: {shape}" for shape, names in shapes.items()]
     if len(placements) == 1:
@@ -735,8 +736,8 @@ def run_cuda(args, variants: dict[str, tuple[ModelConfig, RoutingConfig]]) -> No
     peak, source = device_peak_tflops(args.peak_tflops)
     print(f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
           f"CUDA {torch.version.cuda}")
-    print(f"{layout_line(variants)}; variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed steps; fp32 weights, "
-          f"autocast, fused AdamW")
+    print(f"{layout_line(variants)}; variants {', '.join(variants)}; {args.warmup} warmup + {args.steps} timed "
+          f"steps; fp32 weights, autocast, fused AdamW")
     if args.compile:
         print(compile_line(args.compile_mode, cuda=True))
     for precision in args.precision:

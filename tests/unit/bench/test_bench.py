@@ -421,4 +421,5 @@ def test_header_names_each_models_shape_and_the_blocks_it_routes():
     assert step.layout_line(configs) == (
         "dense, mod: 4 layers, d_model 128, 4 heads, vocab 128; "
         "halting_st_s18, g1: 6 layers, d_model 128, 4 heads, vocab 128; "
-        "mod routes blocks 1, 3 of 4 (0-based); halting_st_s18 routes all 6 blocks; g1 routes blocks 0, 2, 4 of 6 (0-based)")
+        "mod routes blocks 1, 3 of 4 (0-based); halting_st_s18 routes all 6 blocks; "
+        "g1 routes blocks 0, 2, 4 of 6 (0-based)")
