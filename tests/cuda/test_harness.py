@@ -4,7 +4,9 @@ collects without errors under `-m cuda`, all of it from `make gpu-suite`'s GPU_T
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -75,3 +77,44 @@ def test_make_gpu_suite_collects_every_file_with_cuda_tests():
               if re.search(r"mark\.cuda\b", p.read_text())}
     assert marked and all(any(f == entry or f.startswith(entry.rstrip("/") + "/") for entry in listed)
                           for f in marked), (sorted(marked), listed)
+
+
+def _lease_checks(stage: str) -> dict[str, list[str]]:
+    """scripts/gpu_lease.sh's checks in a stage, from its dry run: name -> the command's arguments."""
+    res = subprocess.run(["bash", "scripts/gpu_lease.sh", stage], cwd=h.REPO, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "LEASE_DRY_RUN": "1", "PY": sys.executable})
+    assert res.returncode == 0, res.stderr
+    checks = {}
+    for line in res.stdout.splitlines():
+        name, command = re.fullmatch(r"(\w+) \(\d+ s\): (.+)", line).groups()
+        checks[name] = shlex.split(command)
+    return checks
+
+
+def test_gpu_lease_stages_run_every_cuda_test_once_and_parseable_benchmarks():
+    """The lease script (two device commands) selects every CUDA test of `make gpu-suite` exactly once
+    across its two pytest checks, the CUDA-graph ones first, and its bench.step commands parse (on
+    CPU they stop at the device check, not at an argument error)."""
+    stages = {stage: _lease_checks(stage) for stage in ("1", "2")}
+    assert list(stages["1"]) == ["env", "graph_tests", "mfu_157m", "mfu_1b"]
+    assert [name for name in stages["2"] if name != "wheels"] == ["suite", "sampling", "kernels"]  # wheels: .whl/
+    selected = []
+    for args in (stages["1"]["graph_tests"], stages["2"]["suite"]):
+        assert args[:5] == [sys.executable, "-m", "pytest", "-m", "cuda"]
+        run_only = {"-v", "-ra", "-n", "8"}  # reporting and workers: collection lists the same tests without them
+        res = subprocess.run([*args[:3], "--collect-only", "-q", "-p", "no:cacheprovider",
+                              *(a for a in args[3:] if a not in run_only)], cwd=h.REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        selected.append([line for line in res.stdout.splitlines() if "::" in line])
+    graphs, rest = selected
+    assert len(graphs) == 5 and all("reduce-overhead" in t or "graph" in t for t in graphs), graphs
+    listed = re.search(r"^GPU_TESTS \?= (.+)$", (h.REPO / "Makefile").read_text(), re.M).group(1).split()
+    everything = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 "-m", "cuda", *listed], cwd=h.REPO, capture_output=True, text=True, timeout=300)
+    assert sorted(graphs + rest) == sorted(line for line in everything.stdout.splitlines() if "::" in line)
+    for name in ("mfu_157m", "mfu_1b", "sampling"):
+        args = stages["1" if name.startswith("mfu") else "2"][name]
+        assert args[1:3] == ["-m", "megaroute.bench.step"]
+        res = subprocess.run(args, cwd=h.REPO, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "sees no CUDA device" in res.stderr, (name, res.stderr[-2000:])
