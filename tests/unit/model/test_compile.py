@@ -36,12 +36,12 @@ def dynamo():
     counters.clear()
 
 
-def _pair(routing: RoutingConfig, backend: str, fused: bool = False):
+def _pair(routing: RoutingConfig, backend: str, fused: bool = False, mode: str = "default"):
     """(eager model, the same weights with compiled blocks), both on the reference math (or both fused:
     the compiled blocks trace the fused RoPE as plain ops and keep the CPU attention as opaque ops)."""
     torch.manual_seed(0)
     eager = build_model(CFG, routing).set_fused(fused)
-    return eager, copy.deepcopy(eager).compile_blocks(backend=backend)
+    return eager, copy.deepcopy(eager).compile_blocks(backend=backend, mode=mode)
 
 
 def _step(model, tokens, autocast: bool = False):
@@ -306,9 +306,7 @@ def test_inductor_compiled_blocks_match_eager(dynamo, routing, mode):
     MoD with CUDA graphs' mode, which on CPU tensors records none and runs inductor's code; random,
     whose draws are made eagerly (traced, torch.rand was inductor's own generator, which picked other
     tokens than eager's from the same seed)."""
-    torch.manual_seed(0)
-    eager = build_model(CFG, routing).set_fused(True)
-    compiled = copy.deepcopy(eager).compile_blocks(mode=mode)
+    eager, compiled = _pair(routing, "inductor", fused=True, mode=mode)
     tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1))
     _assert_same_step(eager, compiled, tokens, 1e-5, seed=1)
     assert dict(dynamo["graph_break"]) == {}
