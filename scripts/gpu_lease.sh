@@ -13,7 +13,7 @@ stage=${1:?usage: scripts/gpu_lease.sh 1|2}
 PY=${PY:-python3}
 LEASE_OUT=${LEASE_OUT:-${OUT:-gpu-out}}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" MEGAROUTE_REQUIRE_CUDA=1
-GRAPH_TESTS=(tests/cuda/test_model_cuda.py tests/cuda/test_bench_cuda.py -k "reduce-overhead or cuda_graph or graph_mode")
+GRAPH_K="reduce-overhead or cuda_graph or graph_mode"  # the CUDA-graph tests: stage 1 runs them, stage 2 the rest
 GRAPHS=(--compile --compile-mode reduce-overhead --no-sample)
 
 check() {  # check NAME SECONDS COMMAND...
@@ -32,7 +32,8 @@ check() {  # check NAME SECONDS COMMAND...
 case $stage in
 1)
     check env 30 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
-    check graph_tests 200 "$PY" -m pytest -m cuda -v -ra "${GRAPH_TESTS[@]}"
+    check graph_tests 200 "$PY" -m pytest -m cuda -v -ra tests/cuda/test_model_cuda.py tests/cuda/test_bench_cuda.py \
+        -k "$GRAPH_K"
     check mfu_157m 200 "$PY" -m megaroute.bench.step --device cuda --shape 157m --batch 16 --seq-len 1024 --steps 6 "${GRAPHS[@]}"
     check mfu_1b 140 "$PY" -m megaroute.bench.step --device cuda --shape 1b --batch 8 --seq-len 1024 --steps 4 "${GRAPHS[@]}"
     ;;
@@ -44,7 +45,7 @@ case $stage in
         export PYTHONPATH="/tmp/megaroute-wheels:$PYTHONPATH" PATH="/tmp/megaroute-wheels/bin:$PATH"
     fi
     check suite 360 "$PY" -m pytest -m cuda -v -ra -n 8 tests/cuda tests/unit/kernels/test_kernels.py \
-        -k "not (reduce-overhead or cuda_graph or graph_mode)"
+        -k "not ($GRAPH_K)"
     check sampling 100 "$PY" -m megaroute.bench.step --device cuda --shape 157m --batch 8 --steps 2 --warmup 1
     check kernels 100 "$PY" -m megaroute.kernels.bench --dtype bfloat16
     ;;
