@@ -32,10 +32,11 @@ check() {  # check NAME SECONDS COMMAND...
 case $stage in
 1)
     check env 30 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'"
-    check graph_tests 200 "$PY" -m pytest -m cuda -v -ra tests/cuda/test_model_cuda.py tests/cuda/test_bench_cuda.py \
+    check graph_tests 180 "$PY" -m pytest -m cuda -v -ra tests/cuda/test_model_cuda.py tests/cuda/test_bench_cuda.py \
         -k "$GRAPH_K"
     check mfu_157m 200 "$PY" -m megaroute.bench.step --device cuda --shape 157m --batch 16 --seq-len 1024 --steps 6 "${GRAPHS[@]}"
-    check mfu_1b 140 "$PY" -m megaroute.bench.step --device cuda --shape 1b --batch 8 --seq-len 1024 --steps 4 "${GRAPHS[@]}"
+    # 1b at 16 x 1024: where compiled blocks reached 45.8% MFU on an H100 (8 x 1024 eager: 34%, recorded)
+    check mfu_1b 160 "$PY" -m megaroute.bench.step --device cuda --shape 1b --batch 16 --seq-len 1024 --steps 4 "${GRAPHS[@]}"
     ;;
 2)
     # An offline node's Python may lack DeepSpeed (the launcher tests): `make offline-wheels` here,
