@@ -1,7 +1,8 @@
 """Routed savings on the clock: a hard-halting forward vs a dense forward at the same shape.
 
     python -m megaroute.bench.dispatch [--shapes nanogpt,char] [--fracs 1.0,0.8,0.5] [--repeats 15]
-                                       [--methods halting,mod] [--allocator keep|defaults]
+                                       [--methods halting,mod] [--precision fp32,bf16]
+                                       [--allocator keep|defaults]
 
 Per shape and executed fraction f: a halting model (gates before every block) runs in hard mode
 with each layer's decision replaced by a random mask executing f of the batch's tokens, so f is the
@@ -23,6 +24,10 @@ tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's cou
 for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
 interquartile range spans it.
+
+`--precision fp32,bf16` times the models in each precision (bf16: both models' weights cast to
+bf16, as sampling runs them), a table each under its name; the target applies to each. The default
+is float32 alone.
 
 `--methods mod` adds causal MoD's inference forward (a router before every block, the ragged path of
 execute.update_selected), timed the same way against its own dense forward, decisions replaced by
@@ -50,6 +55,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..argtypes import comma_list, one_of, positive_int, unit_interval
 from ..config import load_config
+from ..flops import PRECISION_DTYPES
 from ..model import ForwardOptions, build_model
 from . import allocator
 from .noise import against, per_round, round_order, verdict
@@ -127,19 +133,22 @@ def attention_flops(executed: list[torch.Tensor], d_model: int) -> int:
 
 # Routed models timed against dense: routing.method -> the forward mode whose ragged dispatch is timed
 METHODS = {"halting": "hard", "mod": "causal"}
+PRECISIONS = ("fp32", "bf16")
 
 
 @torch.no_grad()
-def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, method: str = "halting") -> list[dict]:
+def bench_shape(shape: str, fracs: list[float], repeats: int, warmup: int = 2, method: str = "halting",
+                dtype: torch.dtype = torch.float32) -> list[dict]:
     """A dict per (executed fraction, mask kind): the routed model's (`method`, in METHODS' mode) forward
-    against dense's; "hard_s" and "hard_faults" are the routed side's, whichever the mode."""
+    against dense's, both models' weights in `dtype`; "hard_s" and "hard_faults" are the routed side's,
+    whichever the mode."""
     B, overrides = SHAPES[shape]
     base = load_config(None, overrides)
     routed = load_config(None, [*overrides, f"routing.method={method}", "routing.every=1", "routing.offset=0"])
     mode = METHODS[method]
     torch.manual_seed(0)
-    dense_model = build_model(base.model, base.routing).eval()
-    routed_model = build_model(routed.model, routed.routing).eval()
+    dense_model = build_model(base.model, base.routing).eval().to(dtype)
+    routed_model = build_model(routed.model, routed.routing).eval().to(dtype)
     T, V = base.data.seq_len, base.model.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, V, (B, T), generator=g)
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=15)
     p.add_argument("--methods", type=comma_list(one_of(METHODS, "method")), default=["halting"],
                    help="routed models, comma-separated: halting (hard mode; the target's), mod (causal)")
+    p.add_argument("--precision", type=comma_list(one_of(PRECISIONS, "precision")), default=["fp32"],
+                   help="weights' precisions, comma-separated, of fp32, bf16 (default fp32)")
     allocator.add_option(p)
     args = p.parse_args(argv)
     applied = allocator.apply(args.allocator)
@@ -202,17 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         if method != "halting":
             print(f"\n{method}, {METHODS[method]} mode (decisions replaced by the masks; no target):")
-        print_method(args, method, applied.kept)
+        for precision in dict.fromkeys(args.precision):
+            if args.precision != ["fp32"]:
+                print(f"[{precision}] {'float32' if precision == 'fp32' else 'bf16'} weights, both models")
+            print_method(args, method, applied.kept, PRECISION_DTYPES[precision])
     return 0
 
 
-def print_method(args, method: str, kept: bool) -> None:
+def print_method(args, method: str, kept: bool, dtype: torch.dtype = torch.float32) -> None:
     """The table of one routed method against dense: a line per shape, executed fraction and mask kind."""
     mode = METHODS[method]  # hard (halting) or causal (MoD): the columns name it
     print(f"{'shape':<34} {'executed':>8} {'masks':>6} {'dense fwd':>10} {mode + ' fwd':>10} {mode + '/dense':>10} "
           f"{'per-round IQR':>13} {'FLOPs ratio':>11} {'vs FLOPs':>8} {'faults/fwd':>13}")
     for s in args.shapes:
-        for r in bench_shape(s, args.fracs, args.repeats, method=method):
+        for r in bench_shape(s, args.fracs, args.repeats, method=method, dtype=dtype):
             judged = r["frac"] == 0.8 and method == "halting"
             note = "" if not judged else "  " + verdict(
                 r["ratio"], TARGET, r["rounds"], met="OK", missed=f"ABOVE {TARGET} TARGET", n=args.repeats)

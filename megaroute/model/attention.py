@@ -33,8 +33,10 @@ from .hooks import forward_observed
 from .rope import Positions, apply_rotary, split_qkv_rotary
 
 EAGER_MAX_LEN = 1024
-# CPU bf16 attention (_CausalAttention): queries per block, for sequences of at least 4 blocks. Forward +
-# backward at [8, 6, T, 64] against one block (2 threads, AMX): T 512 0.57x, 256 0.77x, 192 1.00x, 128 1.02x.
+# CPU bf16 attention (_CausalAttention: training, or inference where the fused kernels did not build):
+# queries per block for sequences longer than one block. Against one block at [8, 6, T, 64]: forward +
+# backward (2 threads, AMX) T 512 0.57x, 256 0.77x, 192 1.00x, 128 1.02x; on a Zen 5 (1-2 threads)
+# T 128-224 0.87-1.03x, a forward alone (1 thread) T 128-210 0.68-0.75x; fewer probabilities saved.
 QUERY_BLOCK = 64
 VARLEN_BUCKETS = 2  # CPU varlen attention: padded groups of sequences (BucketLayout)
 # Cached decoding's SDPA (a boolean mask, a key length that grows every step): not cuDNN's, which
@@ -45,7 +47,7 @@ CACHED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 
 def query_blocks(T: int) -> list[tuple[int, int]]:
     """The query rows [a, b) of each block _CausalAttention computes (keys [0, b) each)."""
-    step = QUERY_BLOCK if T >= 4 * QUERY_BLOCK else max(T, 1)
+    step = QUERY_BLOCK if T > QUERY_BLOCK else max(T, 1)
     return [(a, min(T, a + step)) for a in range(0, T, step)]
 
 
@@ -90,7 +92,7 @@ def _blocked_attention_backward(grad: torch.Tensor, qs: torch.Tensor, k: torch.T
 class _CausalAttention(torch.autograd.Function):
     """Causal attention over [B, H, T, Dh] as explicit matmuls (bf16 on CPU, `causal_attention`).
 
-    From 4 x QUERY_BLOCK tokens, queries go in blocks of QUERY_BLOCK rows, each against the keys up to
+    Beyond QUERY_BLOCK tokens, queries go in blocks of QUERY_BLOCK rows, each against the keys up to
     its own last row, so the scores above the diagonal blocks are never computed (at T 256, 62.5% of
     the T x T work is); only the diagonal block is masked. The scale goes on q before the scores (on
     T x Dh, not T x T, elements; exact for power-of-two scales such as Dh 64's 1/8), the softmax
@@ -187,12 +189,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
     y.transpose(1, 2).reshape(B, T, D) is a view, not a copy. Under torch.compile, float32 on CPU runs
     the same kernels as registered opaque ops (kernels/cpu.py; traced, it would be torch's CPU flash
-    kernel, 3x their time)."""
+    kernel, 3x their time). bf16 on CPU without autograd (evaluation, sampling, routed inference) runs
+    the float32 kernels on float32 copies of q, k and v, and rounds the output to bf16: at nanoGPT's
+    shape (forward, [8, 6, 256, 64], 1 thread) 3.5-4.1 ms against 4.5-4.8 for the bf16 matmuls, and
+    the ragged path's varlen kernel the same way (forward_varlen)."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return functions.apply(_CausalAttentionF32, q, k, v)
     if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
+    if q.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                      or v.requires_grad)):
+        kernels = cpu.usable(q, k, v)
+        if kernels is not None and hasattr(kernels, "causal_attention_forward"):  # inference: see the docstring
+            return kernels.causal_attention_forward(q.float(), k.float(), v.float())[0].to(torch.bfloat16)
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if torch.compiler.is_compiling():
@@ -339,6 +349,16 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))
         return kernels.causal_attention_forward(q, k, v)[0]
 
+    def _varlen_rows(self, qkv: torch.Tensor, kernels) -> Optional[torch.Tensor]:
+        """The projected rows as float32 for the fused varlen kernel, or None where it does not run:
+        float32 qkv itself when no forward hook could hold it (RoPE rotates it in place), bf16 qkv as a
+        float32 copy (private by construction)."""
+        if not hasattr(kernels, "varlen_attention_forward"):
+            return None
+        if qkv.dtype == torch.bfloat16:
+            return qkv.float()
+        return qkv if qkv.dtype == torch.float32 and self._projection_is_private() else None
+
     def _projection_is_private(self) -> bool:
         """Whether qkv's output belongs to this call alone, so that RoPE may rotate it in place: no
         forward hook, on `qkv` or global, that could have kept it (an activation capture) or returned
@@ -364,12 +384,14 @@ class CausalSelfAttention(nn.Module):
         once into `n_buckets` padded buckets of sequences sorted by length (BucketLayout), RoPE and
         causal attention per bucket: the same torch calls whatever the batch size or the lengths.
         Without autograd (hard halting and causal MoD run at inference) the fused CPU kernels
-        (kernels/cpu.py) take over: in float32, RoPE in place on the projected rows (q, k and v are
-        views of them: no copies) and attention per (sequence, head) at its own length
-        (`varlen_attention_forward`: no layout, no padding); in bf16, or while a forward hook could
-        hold the projection (_projection_is_private), they gather
-        and rotate q, k, v straight into the buckets and gather the outputs back in one pass each,
-        instead of an index_select, RoPE, a cat and a second index_select.
+        (kernels/cpu.py) take over: RoPE in place on float32 projected rows (q, k and v are views of
+        them: no copies) and attention per (sequence, head) at its own length
+        (`varlen_attention_forward`: no layout, no padding), on the projection itself in float32 and on
+        a float32 copy of it in bf16, whose output is rounded to bf16 (hard halting at 80% executed,
+        nanoGPT's shape, bf16: 0.90 of dense's forward with the padded buckets, 0.83 so); while a
+        forward hook could hold a float32 projection (_projection_is_private), they gather and rotate
+        q, k, v straight into the buckets and gather the outputs back in one pass each, instead of an
+        index_select, RoPE, a cat and a second index_select.
         """
         N, H, Dh = x.shape[0], self.n_heads, self.head_dim
         if sum(lengths) != N or min(lengths, default=0) < 0:
@@ -383,13 +405,15 @@ class CausalSelfAttention(nn.Module):
             no_grad = not (torch.is_grad_enabled() and qkv.requires_grad)
             kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
             if kernels is not None:
-                cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
-                if (qkv.dtype == torch.float32 and hasattr(kernels, "varlen_attention_forward")
-                        and self._projection_is_private()):
-                    kernels.rotary_qkv_inplace(qkv.view(1, N, 3, H, Dh), cos, sin)
-                    q, k, v = qkv.view(N, 3, H, Dh).unbind(1)
+                rows = self._varlen_rows(qkv, kernels)
+                if rows is not None:  # float32 rows of the projection, this call's own: RoPE in place
+                    kernels.rotary_qkv_inplace(rows.view(1, N, 3, H, Dh),
+                                               *(t.float().reshape(N, Dh // 2).contiguous() for t in (cos, sin)))
+                    q, k, v = rows.view(N, 3, H, Dh).unbind(1)
                     offsets = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.long)
-                    return self.out(kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh))
+                    y = kernels.varlen_attention_forward(q, k, v, offsets).view(N, H * Dh)
+                    return self.out(y.to(qkv.dtype))
+                cos, sin = (t.to(qkv.dtype).reshape(N, Dh // 2).contiguous() for t in (cos, sin))
             layout = BucketLayout(lengths, n_buckets, x.device)
             if kernels is not None:  # inference: the padding gather + RoPE, and the unpadding, one pass each
                 coords = layout.slot_coordinates()

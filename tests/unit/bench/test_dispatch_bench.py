@@ -131,3 +131,23 @@ def test_causal_mod_table_times_its_ragged_inference_without_a_target(capsys):
         assert 0.7 < flops < 0.85  # the router is cheaper than halting's gate MLP: below its 0.814
         assert "TARGET" not in line and " OK" not in line
     assert "PAGE-FAULTED (dense 5, causal 300 pages" in faulted(5, 300, mode="causal")
+
+
+def test_bf16_precision_gets_a_table_of_its_own_with_the_target(capsys):
+    """--precision fp32,bf16: a table per precision under its name (bf16: both models' weights), each
+    80% line judged against the target; the default (float32 alone) prints no such heading."""
+    from megaroute.bench.dispatch import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--shapes", "char", "--fracs", "0.8", "--repeats", "1", "--precision", "fp32,bf16",
+                     "--allocator", "defaults"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    headings = [i for i, line in enumerate(out) if line.startswith("[")]
+    assert [out[i] for i in headings] == ["[fp32] float32 weights, both models", "[bf16] bf16 weights, both models"]
+    for i in headings:
+        lines = out[i + 2:i + 4]
+        assert [line.split()[6:8] for line in lines] == [["80%", "even"], ["80%", "spread"]]
+        assert all(line.split()[15] in ("OK", "ABOVE") for line in lines)

@@ -228,6 +228,25 @@ def test_rows_are_bucketed_so_ragged_counts_reuse_onednns_primitives(gemm_calls,
     assert rows == padded or all(rows not in call for call in gemm_calls)
 
 
+def test_bucket_rows_where_onednn_builds_a_primitive_per_row_count():
+    """The ragged path's row bucket: float32 CPU (this module's GEMMs), bf16 CPU and float32 under bf16
+    autocast (torch's oneDNN matmuls); not fp16, not under a dispatch mode (it must count the rows
+    the model has), not on a single bucket's rows."""
+    padded = -(-100 // cpu_linear.ROW_BUCKET) * cpu_linear.ROW_BUCKET
+    assert padded != 100
+    assert cpu_linear.bucket_rows(100, torch.empty(1)) == padded
+    assert cpu_linear.bucket_rows(100, torch.empty(1, dtype=torch.bfloat16)) == padded
+    assert cpu_linear.bucket_rows(100, torch.empty(1, dtype=torch.float16)) == 100
+    assert cpu_linear.bucket_rows(cpu_linear.ROW_BUCKET - 1, torch.empty(1, dtype=torch.bfloat16)) == \
+        cpu_linear.ROW_BUCKET - 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cpu_linear.bucket_rows(100, torch.empty(1)) == padded
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cpu_linear.bucket_rows(100, torch.empty(1)) == 100
+    with FlopCounterMode(display=False):
+        assert cpu_linear.bucket_rows(100, torch.empty(1, dtype=torch.bfloat16)) == 100
+
+
 def test_backward_under_a_dispatch_mode_pads_as_forward_did():
     """Forward padded x to the row bucket; a backward run under a dispatch mode (FlopCounterMode
     around loss.backward()) must pad g the same way: the bucket is arithmetic, not a re-check."""

@@ -81,7 +81,42 @@ def test_cpu_bf16_causal_attention_matches_sdpa(T):
         assert torch.equal(causal_attention(q, k, v), ref)
 
 
-@pytest.mark.parametrize("block", [2, 64])  # several query blocks (T >= 4 blocks), the last one partial; one block
+@pytest.mark.skipif(not hasattr(cpu_kernels.load() or object(), "causal_attention_forward"),
+                    reason="the fused CPU kernels did not build")
+def test_cpu_bf16_inference_attention_runs_the_float32_kernel_on_float32_copies(monkeypatch):
+    """Without autograd, bf16 causal attention on CPU is the float32 fused kernel on float32 copies of
+    q, k and v, its output rounded to bf16 (faster than the bf16 matmuls, and more exact); with autograd
+    the bf16 function runs (its backward is written out for it)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 70, 16).bfloat16() for _ in range(3))
+    calls = []
+    kernel = cpu_kernels.load().causal_attention_forward
+    monkeypatch.setattr(cpu_kernels.load(), "causal_attention_forward",
+                        lambda *ts: calls.append([t.dtype for t in ts]) or kernel(*ts), raising=False)
+    with torch.no_grad():
+        out = causal_attention(q, k, v)
+    assert calls == [[torch.float32] * 3] and out.dtype == torch.bfloat16
+    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True)
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)  # one bf16 rounding of the output
+    assert torch.equal(out, kernel(q.float(), k.float(), v.float())[0].bfloat16())
+    calls.clear()
+    qg = q.clone().requires_grad_(True)
+    causal_attention(qg, k, v).sum().backward()
+    assert calls == [] and qg.grad is not None
+
+
+def test_cpu_bf16_attention_blocks_queries_beyond_one_block():
+    """Past QUERY_BLOCK tokens the queries go in blocks (the ragged path's padded buckets run ~200-token
+    sequences at nanoGPT's shape, where one block computed every score above the diagonal too), and the
+    memory estimate's saved probabilities follow the same blocks."""
+    Q = attention_mod.QUERY_BLOCK
+    assert attention_mod.query_blocks(Q) == [(0, Q)]
+    assert attention_mod.query_blocks(Q + 1) == [(0, Q), (Q, Q + 1)]
+    assert attention_mod.query_blocks(3 * Q) == [(0, Q), (Q, 2 * Q), (2 * Q, 3 * Q)]
+    assert attention_mod.saved_probability_elements(3 * Q) == Q * Q * (1 + 2 + 3)
+
+
+@pytest.mark.parametrize("block", [2, 64])  # several query blocks, the last one partial; one block
 @pytest.mark.parametrize("head_dim", [16, 24])  # 1/4: the scale on q is exact; 1/sqrt(24): it rounds q
 def test_cpu_bf16_attention_function_matches_autograd_of_its_ops(monkeypatch, head_dim, block):
     """Query blocks and the written-out backward (no masking or scale pass over the scores) against

@@ -129,6 +129,36 @@ def test_ragged_float32_pads_its_rows_to_the_linears_row_bucket(monkeypatch, gra
     assert ragged_calls and all(rows % 8 == 0 for rows in ragged_calls)  # no linear had rows left to pad
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32-autocast-bf16"])
+def test_ragged_bf16_pads_its_rows_to_the_row_bucket(monkeypatch, autocast):
+    """bf16 on CPU (bf16 weights, or float32 ones under bf16 autocast): torch's oneDNN matmuls build a
+    primitive per row count, so the flat rows are padded to the row bucket as in float32 (the last
+    real row repeated, as a sequence of its own); the outputs stay within bf16's rounding of the
+    padded path's."""
+    monkeypatch.setattr(cpu_linear, "ROW_BUCKET", 8)
+    block, pos = _setup(seed=3)
+    block.eval()
+    if not autocast:
+        block.to(torch.bfloat16)
+    else:
+        block.float()
+    rows = []
+    block.attn.qkv.register_forward_hook(lambda m, args, out: rows.append(args[0].reshape(-1, 32).shape[0]))
+    mask = _masks(6)[0]
+    n = int(mask.sum())
+    assert n > 8 and n % 8  # padded: the case under test
+    idx, valid = dispatch.mask_indices(mask)
+    x = torch.randn(B, T, 32, dtype=torch.float32 if autocast else torch.bfloat16)
+    d = Dispatcher("torch")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = update_masked(block, x, pos, mask, dispatcher=d)
+        ragged_rows = list(rows)
+        ref = update_padded(block, x, pos, idx, None, valid, dispatcher=d)
+    assert ragged_rows == [-(-n // 8) * 8]
+    # bf16 roundings at this block's scale (|out| up to ~25): a row mixed up would be off by the scale
+    torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_inference_combine_runs_the_one_pass_kernel_bit_for_bit(monkeypatch, weighted):
     """Without autograd on CPU the update goes back through the kernels' rows_add (ragged._combine_kernels),
@@ -255,6 +285,31 @@ def test_forward_varlen_bf16_close_to_each_sequence_alone():
     pos = Positions(rope, positions.unsqueeze(1))
     out = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
     torch.testing.assert_close(out, _each_alone(attn, rope, x, positions, lengths), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not hasattr(cpu.load() or object(), "varlen_attention_forward"),
+                    reason="the fused CPU kernels did not build")
+def test_forward_varlen_bf16_inference_runs_the_float32_varlen_kernel(monkeypatch):
+    """bf16 on CPU without autograd (hard halting, causal MoD): the float32 varlen kernel on a float32
+    copy of the projection, each sequence at its own length (no padded buckets), close to each sequence
+    alone; the bf16 projection itself is left as it was."""
+    attn = _attention(True).to(torch.bfloat16)
+    rope = RotaryEmbedding(8, 32)
+    lengths = [9, 3, 0, 12]
+    x = torch.randn(sum(lengths), 32, dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    pos = Positions(rope, positions.unsqueeze(1))
+    kernel, calls = cpu.load().varlen_attention_forward, []
+    monkeypatch.setattr(cpu.load(), "varlen_attention_forward",
+                        lambda q, k, v, offsets: calls.append((q.dtype, offsets.tolist())) or kernel(q, k, v, offsets),
+                        raising=False)
+    monkeypatch.setattr(BucketLayout, "__init__", lambda *a, **k: pytest.fail("padded buckets in bf16 inference"))
+    with torch.no_grad():
+        out = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
+        monkeypatch.undo()
+        ref = _each_alone(attn, rope, x, positions, lengths)
+    assert calls == [(torch.float32, [0, 9, 12, 12, 24])] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_every_token_selected_runs_the_dense_block_without_a_layout(monkeypatch):
