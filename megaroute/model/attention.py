@@ -6,12 +6,14 @@ q/k/v block), the output projection row-parallel (its all-reduce returns a repli
 `fused` (default True) splits qkv and applies RoPE in one autograd function in the compute dtype
 (rope.split_qkv_rotary; plain ops that inductor fuses when torch.compile traces it) and, on CPU,
 runs float32 causal attention through a fused kernel (kernels/cpu.py) and bf16 as explicit
-matmuls (`causal_attention`), both as opaque registered ops under torch.compile;
+matmuls (`causal_attention`), both as opaque registered ops under torch.compile, and bf16 without
+autograd through the float32 kernel on float32 copies;
 `fused = False` keeps the reference math (float32 RoPE, torch's SDPA kernel),
 which tests/unit/model/test_fused.py holds the fused path to.
 
 `forward_varlen` attends within each of several sequences laid end to end (the ragged routed path,
-routing/ragged.py): a varlen kernel on CUDA, a few length-sorted padded buckets on CPU.
+routing/ragged.py): a varlen kernel on CUDA; on CPU the fused varlen kernel at inference, a few
+length-sorted padded buckets with autograd.
 """
 
 from __future__ import annotations

@@ -10,15 +10,16 @@ The padded path (dispatch.mask_indices -> gather -> block.update -> combine) run
 B x max(count) rows. Here every matmul runs on the N rows; only attention's scores need a per-sequence
 layout. On CUDA (fp16/bf16/fp32) that is one varlen kernel over the flat rows (a jagged nested tensor
 into torch's flash / memory-efficient SDPA; tests/cuda/test_model_cuda.py holds it to the CPU path).
-On CPU, where torch 2.13 has no causal varlen kernel, float32 inference runs megaroute's own
-(kernels/cpu.py varlen_attention_forward: each sequence and head at its own length, no padding).
-Otherwise (bf16, autograd, no kernels) the sequences are sorted by count into
-attention.VARLEN_BUCKETS groups, each padded to its longest, with a fixed number of torch calls
-whatever the batch (no per-sequence Python loop): padded scores are bounded by the bucketing, padded
-projections are gone. Padding rows repeat a real row and follow the real ones, so no real query
-attends to them and their outputs are dropped. In float32 on CPU the flat rows are likewise padded
-to a multiple of the linears' row bucket (kernels/cpu_linear.py: oneDNN builds a primitive per row
-count, and every batch brings new counts), as one extra sequence of the last real row repeated.
+On CPU, where torch 2.13 has no causal varlen kernel, inference runs megaroute's own
+(kernels/cpu.py varlen_attention_forward: each sequence and head at its own length, no padding; bf16
+on a float32 copy of the projection). Otherwise (autograd, no kernels) the sequences are sorted by
+count into attention.VARLEN_BUCKETS groups, each padded to its longest, with a fixed number of torch
+calls whatever the batch (no per-sequence Python loop): padded scores are bounded by the bucketing,
+padded projections are gone. Padding rows repeat a real row and follow the real ones, so no real
+query attends to them and their outputs are dropped. On CPU (float32, bf16, bf16 autocast) the flat
+rows are likewise padded to a multiple of the linears' row bucket (cpu_linear.bucket_rows: oneDNN
+builds a primitive per row count, and every batch brings new counts), as one extra sequence of the
+last real row repeated.
 Without autograd on CPU the update goes back in one pass over x (the kernels' rows_add), where
 index_add copies x and then passes over the selected rows again.
 
@@ -100,7 +101,7 @@ def update_rows(block: TransformerBlock, x: torch.Tensor, pos: Positions, rows: 
         lengths = counts.tolist()  # the one host sync: the attention layout depends on it
         n = rows.shape[0]
         padded = cpu_linear.bucket_rows(n, flat)
-        if padded > n:  # float32 CPU: every linear's rows a multiple of its row bucket, without a copy each
+        if padded > n:  # CPU (oneDNN's GEMMs): every linear's rows a multiple of its row bucket, without a copy each
             rows = torch.cat([rows, rows[-1:].expand(padded - n)])  # the last real row, repeated, as
             lengths = [*lengths, padded - n]  # a sequence of its own: no real token attends to it
         cos, sin = (_table_rows(t, rows) for t in (pos.cos, pos.sin))
