@@ -69,18 +69,24 @@ def test_flops_ratio_counts_attention_over_the_executed_tokens():
         _matmul_flops(lambda: torch.nn.functional.conv1d(torch.ones(1, 1, 4), torch.ones(1, 1, 2)))
 
 
-def test_dispatch_benchmark_prints_each_case_with_its_flops_ratio(capsys):
-    """End to end at the char shape: each line's "vs FLOPs" is its time ratio over its FLOPs ratio, its
-    page faults per forward, and the 80% lines carry the target's verdict. (`--allocator defaults`:
-    "keep" would change this test process's malloc for good; test_allocator.py runs it in a child.)"""
+def _printed(capsys, *args: str) -> list[str]:
+    """bench.dispatch's main at the char shape, one round, glibc's allocator defaults (see the first
+    test), torch's thread count restored after it (main sets one thread): its printed lines."""
     from megaroute.bench.dispatch import main
 
     threads = torch.get_num_threads()
     try:
-        assert main(["--shapes", "char", "--fracs", "1.0,0.8", "--repeats", "1", "--allocator", "defaults"]) == 0
+        assert main(["--shapes", "char", "--repeats", "1", "--allocator", "defaults", *args]) == 0
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out.splitlines()
+    return capsys.readouterr().out.splitlines()
+
+
+def test_dispatch_benchmark_prints_each_case_with_its_flops_ratio(capsys):
+    """End to end at the char shape: each line's "vs FLOPs" is its time ratio over its FLOPs ratio, its
+    page faults per forward, and the 80% lines carry the target's verdict. (`--allocator defaults`:
+    "keep" would change this test process's malloc for good; test_allocator.py runs it in a child.)"""
+    out = _printed(capsys, "--fracs", "1.0,0.8")
     assert out[0].startswith("allocator: ")
     lines = [line for line in out if line.startswith("char")]
     assert [line.split()[6:8] for line in lines] == [["100%", "even"], ["80%", "even"], ["80%", "spread"]]
@@ -112,15 +118,7 @@ def test_causal_mod_table_times_its_ragged_inference_without_a_target(capsys):
     """--methods mod: causal MoD (a router before every block) against its own dense forward, with the
     same masks replacing its decisions, in a table of its own: its columns say "causal", its lines
     carry no verdict (the 0.88 target is hard halting's), and "vs FLOPs" is still time over FLOPs."""
-    from megaroute.bench.dispatch import main
-
-    threads = torch.get_num_threads()
-    try:
-        assert main(["--shapes", "char", "--fracs", "0.8", "--repeats", "1", "--methods", "mod",
-                     "--allocator", "defaults"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out.splitlines()
+    out = _printed(capsys, "--fracs", "0.8", "--methods", "mod")
     assert out[1] == "" and out[2].startswith("mod, causal mode") and "causal fwd" in out[3]
     lines = [line for line in out if line.startswith("char")]
     assert [line.split()[6:8] for line in lines] == [["80%", "even"], ["80%", "spread"]]
@@ -136,15 +134,7 @@ def test_causal_mod_table_times_its_ragged_inference_without_a_target(capsys):
 def test_bf16_precision_gets_a_table_of_its_own_with_the_target(capsys):
     """--precision fp32,bf16: a table per precision under its name (bf16: both models' weights), each
     80% line judged against the target; the default (float32 alone) prints no such heading."""
-    from megaroute.bench.dispatch import main
-
-    threads = torch.get_num_threads()
-    try:
-        assert main(["--shapes", "char", "--fracs", "0.8", "--repeats", "1", "--precision", "fp32,bf16",
-                     "--allocator", "defaults"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr().out.splitlines()
+    out = _printed(capsys, "--fracs", "0.8", "--precision", "fp32,bf16")
     headings = [i for i, line in enumerate(out) if line.startswith("[")]
     assert [out[i] for i in headings] == ["[fp32] float32 weights, both models", "[bf16] bf16 weights, both models"]
     for i in headings:

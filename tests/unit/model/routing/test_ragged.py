@@ -275,15 +275,22 @@ def test_forward_varlen_with_no_rows_runs_the_projections():
         attn.forward_varlen(x, pos.cos, pos.sin, [1, 0])
 
 
-def test_forward_varlen_bf16_close_to_each_sequence_alone():
-    """bf16 on CPU: causal_attention's explicit matmuls per bucket."""
+def _bf16_sequences():
+    """A bf16 attention layer and four sequences laid end to end (one empty): attn, rope, x, positions,
+    their Positions and lengths."""
     attn = _attention(True).to(torch.bfloat16)
     rope = RotaryEmbedding(8, 32)
     lengths = [9, 3, 0, 12]
     x = torch.randn(sum(lengths), 32, dtype=torch.bfloat16)
     positions = torch.cat([torch.arange(n) for n in lengths])
-    pos = Positions(rope, positions.unsqueeze(1))
+    return attn, rope, x, positions, Positions(rope, positions.unsqueeze(1)), lengths
+
+
+def test_forward_varlen_bf16_close_to_each_sequence_alone():
+    """bf16 on CPU with autograd: causal_attention's explicit matmuls per bucket."""
+    attn, rope, x, positions, pos, lengths = _bf16_sequences()
     out = attn.forward_varlen(x, pos.cos, pos.sin, lengths)
+    assert out.requires_grad  # the bucket path, not inference's kernel
     torch.testing.assert_close(out, _each_alone(attn, rope, x, positions, lengths), rtol=2e-2, atol=2e-2)
 
 
@@ -293,12 +300,7 @@ def test_forward_varlen_bf16_inference_runs_the_float32_varlen_kernel(monkeypatc
     """bf16 on CPU without autograd (hard halting, causal MoD): the float32 varlen kernel on a float32
     copy of the projection, each sequence at its own length (no padded buckets), close to each sequence
     alone; the bf16 projection itself is left as it was."""
-    attn = _attention(True).to(torch.bfloat16)
-    rope = RotaryEmbedding(8, 32)
-    lengths = [9, 3, 0, 12]
-    x = torch.randn(sum(lengths), 32, dtype=torch.bfloat16)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    pos = Positions(rope, positions.unsqueeze(1))
+    attn, rope, x, positions, pos, lengths = _bf16_sequences()
     kernel, calls = cpu.load().varlen_attention_forward, []
     monkeypatch.setattr(cpu.load(), "varlen_attention_forward",
                         lambda q, k, v, offsets: calls.append((q.dtype, offsets.tolist())) or kernel(q, k, v, offsets),
