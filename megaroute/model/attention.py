@@ -6,8 +6,8 @@ q/k/v block), the output projection row-parallel (its all-reduce returns a repli
 `fused` (default True) splits qkv and applies RoPE in one autograd function in the compute dtype
 (rope.split_qkv_rotary; plain ops that inductor fuses when torch.compile traces it) and, on CPU,
 runs float32 causal attention through a fused kernel (kernels/cpu.py) and bf16 as explicit
-matmuls (`causal_attention`), both as opaque registered ops under torch.compile, and bf16 without
-autograd through the float32 kernel on float32 copies;
+matmuls (`causal_attention`), both as opaque registered ops under torch.compile (inference, float32
+and bf16: the float32 kernel on the projection, CausalSelfAttention._attend_in_place);
 `fused = False` keeps the reference math (float32 RoPE, torch's SDPA kernel),
 which tests/unit/model/test_fused.py holds the fused path to.
 
@@ -191,20 +191,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     functions return [B, H, T, Dh] with rows laid out [B, T, H, Dh], so the output projection's
     y.transpose(1, 2).reshape(B, T, D) is a view, not a copy. Under torch.compile, float32 on CPU runs
     the same kernels as registered opaque ops (kernels/cpu.py; traced, it would be torch's CPU flash
-    kernel, 3x their time). bf16 on CPU without autograd (evaluation, sampling, routed inference) runs
-    the float32 kernels on float32 copies of q, k and v, and rounds the output to bf16: at nanoGPT's
-    shape (forward, [8, 6, 256, 64], 1 thread) 3.5-4.1 ms against 4.5-4.8 for the bf16 matmuls, and
-    the ragged path's varlen kernel the same way (forward_varlen)."""
+    kernel, 3x their time). Inference on CPU, float32 and bf16, takes the fused kernel before it gets
+    here (CausalSelfAttention._attend_in_place)."""
     T = q.shape[-2]
     if q.dtype == torch.float32 and getattr(cpu.usable(q, k, v), "causal_attention_forward", None) is not None:
         return functions.apply(_CausalAttentionF32, q, k, v)
     if q.dtype == torch.float32 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.megaroute.causal_attention_f32(q, k, v)[0]
-    if q.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                      or v.requires_grad)):
-        kernels = cpu.usable(q, k, v)
-        if kernels is not None and hasattr(kernels, "causal_attention_forward"):  # inference: see the docstring
-            return kernels.causal_attention_forward(q.float(), k.float(), v.float())[0].to(torch.bfloat16)
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > EAGER_MAX_LEN:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if torch.compiler.is_compiling():
@@ -332,30 +325,35 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # T may be 0
 
     def _attend_in_place(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[torch.Tensor]:
-        """Causal attention of qkv [B, T, 3, H, Dh] -> [B, H, T, Dh] (rows laid out [B, T, H, Dh]) for
-        float32 inference on CPU (no autograd, the fused kernels built; else None): RoPE in place on the
-        projection, which is this call's own, and the attention kernel reading q, k and v as strided
-        views of it, as forward_varlen does: no q, k, v buffers written and read back. A dense forward
-        took 0.2-1.2% less at nanoGPT's shape (8 x 256, d 384: 298.6 -> 297.9 and 295.3 -> 291.9 ms)
-        and 2-4% less at the char shape (16 x 128, d 128: 39.7 -> 38.8, 38.8 -> 37.2 ms; two runs
-        each, 1 thread, interleaved in one process). The values are the fused training path's, bit
-        for bit. Not taken while a forward hook could hold the projection (_projection_is_private)."""
+        """Causal attention of qkv [B, T, 3, H, Dh] -> [B, H, T, Dh] (rows laid out [B, T, H, Dh], in
+        qkv's dtype) for inference on CPU (no autograd, the fused kernels built; else None): RoPE in
+        place on float32 rows of the projection (_float32_rows) and the attention kernel reading q, k
+        and v as strided views of them, as forward_varlen does: no q, k, v buffers written and read
+        back. float32: a dense forward took 0.2-1.2% less at nanoGPT's shape (8 x 256, d 384: 298.6 ->
+        297.9 and 295.3 -> 291.9 ms) and 2-4% less at the char shape (16 x 128, d 128: 39.7 -> 38.8,
+        38.8 -> 37.2 ms; two runs each, 1 thread, interleaved in one process), the values the fused
+        training path's, bit for bit. bf16: the kernel on a float32 copy, the output rounded to bf16,
+        against the bf16 matmuls (`causal_attention`) at nanoGPT's shape (forward, [8, 6, 256, 64], 1
+        thread) 3.5-4.1 ms against 4.5-4.8, and more exact."""
         B, T, _, H, Dh = qkv.shape
-        if not (self.fused and qkv.dtype == torch.float32 and T > 0 and cos.shape == sin.shape == (B, 1, T, Dh // 2)) or (
-                torch.is_grad_enabled() and qkv.requires_grad) or not self._projection_is_private():
+        if not (self.fused and T > 0 and cos.shape == sin.shape == (B, 1, T, Dh // 2)) or (
+                torch.is_grad_enabled() and qkv.requires_grad):
             return None
-        kernels = cpu.usable(qkv, cos, sin)
-        if kernels is None or not hasattr(kernels, "causal_attention_forward"):
+        kernels = cpu.usable(qkv)
+        rows = self._float32_rows(qkv, kernels, "causal_attention_forward")
+        tables = (cos.float(), sin.float())
+        if rows is None or cpu.usable(rows, *tables) is None:
             return None
-        kernels.rotary_qkv_inplace(qkv, cos, sin)
-        q, k, v = (qkv.select(2, i).transpose(1, 2) for i in range(3))
-        return kernels.causal_attention_forward(q, k, v)[0]
+        kernels.rotary_qkv_inplace(rows, *tables)
+        q, k, v = (rows.select(2, i).transpose(1, 2) for i in range(3))
+        return kernels.causal_attention_forward(q, k, v)[0].to(qkv.dtype)
 
-    def _varlen_rows(self, qkv: torch.Tensor, kernels) -> Optional[torch.Tensor]:
-        """The projected rows as float32 for the fused varlen kernel, or None where it does not run:
-        float32 qkv itself when no forward hook could hold it (RoPE rotates it in place), bf16 qkv as a
-        float32 copy (private by construction)."""
-        if not hasattr(kernels, "varlen_attention_forward"):
+    def _float32_rows(self, qkv: torch.Tensor, kernels, kernel: str) -> Optional[torch.Tensor]:
+        """The projection as float32 rows this call owns, for the fused inference kernel `kernel`, or
+        None where it does not run: float32 qkv itself when no forward hook could hold it (RoPE rotates
+        it in place), bf16 qkv as a float32 copy (private by construction; the caller rounds the
+        attention output back to bf16)."""
+        if kernels is None or not hasattr(kernels, kernel):
             return None
         if qkv.dtype == torch.bfloat16:
             return qkv.float()
@@ -407,7 +405,7 @@ class CausalSelfAttention(nn.Module):
             no_grad = not (torch.is_grad_enabled() and qkv.requires_grad)
             kernels = cpu.usable(qkv) if self.fused and no_grad and N else None
             if kernels is not None:
-                rows = self._varlen_rows(qkv, kernels)
+                rows = self._float32_rows(qkv, kernels, "varlen_attention_forward")
                 if rows is not None:  # float32 rows of the projection, this call's own: RoPE in place
                     kernels.rotary_qkv_inplace(rows.view(1, N, 3, H, Dh),
                                                *(t.float().reshape(N, Dh // 2).contiguous() for t in (cos, sin)))

@@ -83,26 +83,30 @@ def test_cpu_bf16_causal_attention_matches_sdpa(T):
 
 @pytest.mark.skipif(not hasattr(cpu_kernels.load() or object(), "causal_attention_forward"),
                     reason="the fused CPU kernels did not build")
-def test_cpu_bf16_inference_attention_runs_the_float32_kernel_on_float32_copies(monkeypatch):
-    """Without autograd, bf16 causal attention on CPU is the float32 fused kernel on float32 copies of
-    q, k and v, its output rounded to bf16 (faster than the bf16 matmuls, and more exact); with autograd
-    the bf16 function runs (its backward is written out for it)."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 70, 16).bfloat16() for _ in range(3))
-    calls = []
-    kernel = cpu_kernels.load().causal_attention_forward
+def test_cpu_bf16_inference_attention_runs_the_float32_kernel_on_a_float32_copy(monkeypatch, make_model):
+    """Without autograd, a bf16 model's attention on CPU is the float32 fused kernel on a float32 copy
+    of the qkv projection (_attend_in_place), its output rounded to bf16 (faster than the bf16 matmuls,
+    and more exact): the bf16 function is not reached, and the logits stay within bf16's rounding of
+    the same weights in float64. With autograd the bf16 function runs (its backward is written out)."""
+    model, cfg = make_model()
+    model.eval().to(torch.bfloat16)
+    reference = copy.deepcopy(model).double()
+    kernel, calls, bf16_function = cpu_kernels.load().causal_attention_forward, [], []
     monkeypatch.setattr(cpu_kernels.load(), "causal_attention_forward",
                         lambda *ts: calls.append([t.dtype for t in ts]) or kernel(*ts), raising=False)
+    function = attention_mod.causal_attention
+    monkeypatch.setattr(attention_mod, "causal_attention", lambda *qkv: bf16_function.append(1) or function(*qkv))
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = causal_attention(q, k, v)
-    assert calls == [[torch.float32] * 3] and out.dtype == torch.bfloat16
-    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=True)
-    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)  # one bf16 rounding of the output
-    assert torch.equal(out, kernel(q.float(), k.float(), v.float())[0].bfloat16())
+        out = model(tokens).logits
+    assert calls == [[torch.float32] * 3] * cfg.model.n_layers and not bf16_function
+    assert out.dtype == torch.bfloat16
     calls.clear()
-    qg = q.clone().requires_grad_(True)
-    causal_attention(qg, k, v).sum().backward()
-    assert calls == [] and qg.grad is not None
+    model(tokens).logits.float().sum().backward()
+    assert not calls and len(bf16_function) == cfg.model.n_layers
+    with torch.no_grad():
+        ref = reference(tokens).logits
+    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())
 
 
 def test_cpu_bf16_attention_blocks_queries_beyond_one_block():
