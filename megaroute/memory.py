@@ -67,6 +67,7 @@ from torch import nn
 from .config import Config, ConfigError, ModelConfig, RoutingConfig
 from .config.schema import parse_size
 from .flops import estimate_flops
+from .kernels import cpu as cpu_kernels
 from .model import build_model
 from .model.attention import EAGER_MAX_LEN, saved_probability_elements
 from .model.lm_loss import chunk_rows, tile_rows
@@ -193,9 +194,14 @@ def activation_bytes(
 def _attention_in_rows(device: str, precision: str, seq_len: int) -> bool:
     """The attention writes its output rows [B, T, H, Dh] (attention.causal_attention on CPU: the
     fused float32 kernel, bf16's explicit matmuls up to EAGER_MAX_LEN), so the output projection's
-    input is a view of it; torch's SDPA (CUDA, longer bf16) returns [B, H, T, Dh] rows, reshaped
+    input is a view of it; torch's SDPA (CUDA, longer bf16, and float32 where this machine cannot
+    build the CPU kernels: MEGAROUTE_CPU_KERNELS=0, no compiler) returns [B, H, T, Dh] rows, reshaped
     into a copy."""
-    return device == "cpu" and (precision == "fp32" or (precision == "bf16" and seq_len <= EAGER_MAX_LEN))
+    if device != "cpu":
+        return False
+    if precision == "fp32":
+        return cpu_kernels.unavailable_reason() is None
+    return precision == "bf16" and seq_len <= EAGER_MAX_LEN
 
 
 def _chunked_loss(device: str, tp: int) -> bool:

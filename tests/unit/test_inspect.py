@@ -13,6 +13,7 @@ from megaroute.cli import main
 from megaroute.config import ModelConfig, RoutingConfig, load_config
 from megaroute.flops import COMPONENTS, config_flops, estimate_flops
 from megaroute.inspect import param_counts
+from megaroute.kernels import cpu as cpu_kernels
 from megaroute.memory import activation_bytes, cpu_activation_bytes, zero_model_state_bytes
 from megaroute.model import build_model
 from megaroute.model.attention import EAGER_MAX_LEN, saved_probability_elements
@@ -164,6 +165,21 @@ def test_activation_estimate_matches_saved_tensors(dtype, precision, routing):
     assert estimate == activation_bytes(model_cfg, routing_cfg, T, B, precision, device="cpu") + cpu_activation_bytes(
         model_cfg, routing_cfg, T, B, precision)  # what the CPU estimate adds up
     # What remains unmodeled is small: rstd, attention logsumexp, RoPE tables, indices (0.2-1.6% here).
+    assert estimate == pytest.approx(measured, rel=0.02)
+
+
+def test_float32_activation_estimate_without_the_cpu_kernels_counts_sdpa_output_copy(monkeypatch):
+    """Where the CPU kernels cannot build (here: MEGAROUTE_CPU_KERNELS=0), float32 attention is torch's
+    SDPA, whose output the output projection reshapes into a copy: one more [T, d] per block."""
+    model_cfg = ModelConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, dtype="float32")
+    T, B = 256, 4
+    with_kernels = activation_bytes(model_cfg, RoutingConfig(), T, B, "fp32", device="cpu")
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the kernels this process built already: unused
+    estimate = activation_bytes(model_cfg, RoutingConfig(), T, B, "fp32", device="cpu")
+    assert estimate == with_kernels + model_cfg.n_layers * B * T * model_cfg.d_model * 4
+    torch.manual_seed(0)
+    measured = _saved_activation_bytes(build_model(model_cfg, RoutingConfig()), torch.randint(0, 1024, (B, T)))
     assert estimate == pytest.approx(measured, rel=0.02)
 
 
