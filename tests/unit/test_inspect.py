@@ -173,7 +173,10 @@ def test_float32_activation_estimate_without_the_cpu_kernels_counts_sdpa_output_
     SDPA, whose output the output projection reshapes into a copy: one more [T, d] per block."""
     model_cfg = ModelConfig(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, dtype="float32")
     T, B = 256, 4
+    reason = cpu_kernels.unavailable_reason
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: None)  # as where they build
     with_kernels = activation_bytes(model_cfg, RoutingConfig(), T, B, "fp32", device="cpu")
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", reason)
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # the kernels this process built already: unused
     estimate = activation_bytes(model_cfg, RoutingConfig(), T, B, "fp32", device="cpu")
