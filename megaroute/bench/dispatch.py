@@ -23,7 +23,7 @@ embedding and the LM head run on every token) plus attention's scores over each 
 tokens (4 c^2 d per layer for c tokens, megaroute.flops' convention; torch's counter has no formula
 for CPU attention). Target
 (issue 19): ratio <= 0.88 at f = 0.8; the verdict says "within the noise" when the per-round
-interquartile range spans it.
+interquartile range spans it, or the per-round ratios' median is on its other side.
 
 `--precision fp32,bf16` times the models in each precision (bf16: both models' weights cast to
 bf16, as sampling runs them), a table each under its name; the target applies to each. The default

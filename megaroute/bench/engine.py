@@ -9,7 +9,7 @@ step: the process's CPU time (all its threads) and wall time, medians, and the e
 per round (median and interquartile range: what the noise could make of it). Also reports what
 MLflow logging costs the loop: the enqueue time per step next to the step.
 Target: engine overhead under 5% (CPU time; "within the noise" when the per-round interquartile range
-spans it), logging under 5%.
+spans it or their median is on its other side), logging under 5%.
 """
 
 from __future__ import annotations

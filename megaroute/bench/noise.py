@@ -53,14 +53,23 @@ MIN_ROUNDS = 3
 def verdict(value: float, target: float, rounds: tuple[float, float, float], at_most: bool = True,
             met: str = "HOLDS", missed: str = "MISSED", n: Optional[int] = None) -> str:
     """`met` or `missed` for value against target (value <= target when at_most, else >=), followed by
-    a warning when the per-round interquartile range (per_round's q1, q3) reaches both sides of the
-    target: then the verdict is the noise's as much as the code's, and another run may flip it. With
-    `n`, the number of rounds, under MIN_ROUNDS: a warning that it is too few to judge the noise (one
-    round's "range" is a point, and spans nothing)."""
-    word = met if (value <= target if at_most else value >= target) else missed
-    _, q1, q3 = rounds
+    a warning when the noise could have decided it: the per-round interquartile range (per_round's q1,
+    q3) reaches both sides of the target, or the per-round ratios' median falls on the other side of
+    it than `value` (a ratio of the two variants' medians, or of their minima: with noise that is not
+    common to both, such a ratio can fall outside the per-round ratios' whole interquartile range, and
+    then the two readings of the same rounds disagree). Either way the verdict is the noise's as much
+    as the code's, and another run may flip it. With `n`, the number of rounds, under MIN_ROUNDS: a
+    warning that it is too few to judge the noise (one round's "range" is a point, and spans nothing)."""
+    def meets(x: float) -> bool:
+        return x <= target if at_most else x >= target
+
+    word = met if meets(value) else missed
+    median, q1, q3 = rounds
     if n is not None and n < MIN_ROUNDS:
         word += f" (only {n} round{'s' if n != 1 else ''}: too few to tell from the noise; time {MIN_ROUNDS} or more)"
     elif q1 <= target <= q3:
         word += f" (within the noise: the per-round interquartile range {q1:.3f}-{q3:.3f} spans {target:.3f})"
+    elif meets(median) != meets(value):
+        word += (f" (within the noise: the per-round ratios' median {median:.3f} is on the other side of "
+                 f"{target:.3f}, interquartile {q1:.3f}-{q3:.3f})")
     return word

@@ -33,8 +33,8 @@ the same FLOPs by FlopCounterMode; `mod` (capacity 0.125), the capacity baseline
 and `early_exit`, each routing every 2nd block. Targets: dense (and, with --compile,
 dense+compile) >= 1.3x faster than reference in fp32 and >= 1.2x in bf16, and at most 0.9x the
 gpt2 step; MoD's step/dense at most 1.05x its FLOPs ratio. A verdict (HOLDS / MISSED) is marked
-"within the noise" when the per-round ratios' interquartile range spans the target (noise.verdict):
-another run may then flip it. `--compile` adds a `<variant>+compile`
+"within the noise" when the per-round ratios' interquartile range spans the target, or their median
+is on its other side (noise.verdict): another run may then flip it. `--compile` adds a `<variant>+compile`
 twin of each variant (but reference and dense_torch_gemm), its blocks compiled (`Transformer.compile_blocks`, what
 `train.compile: true` runs; gpt2+compile: the whole model, as nanoGPT compiles it), interleaved
 with the rest; compilation happens in the warmup steps, so it is not timed. `--compile-mode` picks

@@ -36,6 +36,24 @@ def test_verdict_warns_when_the_noise_spans_the_target():
     assert verdict(1.06, 1.05, (1.06, 1.06, 1.07), met="OK", missed="ABOVE 5% TARGET") == "ABOVE 5% TARGET"
 
 
+def test_a_verdict_the_per_round_median_contradicts_is_within_the_noise():
+    """A ratio of the two variants' medians can fall outside the per-round ratios' whole interquartile
+    range (bench.dispatch, bf16: 0.881 "ABOVE 0.88 TARGET" beside a per-round IQR of 0.870-0.878):
+    the two readings of the same rounds then disagree, and the verdict must say so, whichever way it
+    goes (a pass the per-round median contradicts is flagged as much as a miss)."""
+    above = verdict(0.881, 0.88, (0.874, 0.870, 0.878), met="OK", missed="ABOVE 0.88 TARGET")
+    assert above == ("ABOVE 0.88 TARGET (within the noise: the per-round ratios' median 0.874 is on the other "
+                     "side of 0.880, interquartile 0.870-0.878)")
+    assert verdict(0.875, 0.88, (0.884, 0.882, 0.889)).startswith("HOLDS (within the noise: the per-round ratios' "
+                                                                  "median 0.884 is on the other side")
+    # at_least targets: the sides are the other way round
+    assert verdict(1.31, 1.3, (1.29, 1.27, 1.295), at_most=False).startswith("HOLDS (within the noise: the per-round")
+    assert verdict(1.29, 1.3, (1.31, 1.305, 1.32), at_most=False).startswith("MISSED (within the noise: the per-round")
+    # agreeing readings, or an interquartile range that spans the target: as before
+    assert verdict(0.87, 0.88, (0.872, 0.868, 0.875)) == "HOLDS"
+    assert "0.870-0.890 spans 0.880" in verdict(0.881, 0.88, (0.874, 0.870, 0.890))
+
+
 def test_a_verdict_from_too_few_rounds_says_so_rather_than_judging_the_noise():
     """One round's interquartile "range" is a point: it spans nothing, so a verdict from one step read
     as firm. Under MIN_ROUNDS the verdict says the rounds are too few; from MIN_ROUNDS on, as before."""
