@@ -79,14 +79,21 @@ def update_masked(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask
                   weight: Optional[torch.Tensor] = None, *, dispatcher: Dispatcher) -> torch.Tensor:
     """Ragged selection: runs the block for tokens where mask [B, T] is True; weight is [B, T] or None."""
     if pos.kv is not None:
-        idx, valid = dispatch.mask_indices(mask)
-        weight = None if weight is None else weight.gather(1, idx)
-        return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
+        return update_masked_padded(block, x, pos, mask, weight, dispatcher=dispatcher)
     rows, counts = ragged.mask_rows(mask)
     if rows.shape[0] == 0 and may_skip_block(block):
         return x
     return ragged.update_rows(block, x, pos, rows, counts,
                               None if weight is None else weight.reshape(-1).index_select(0, rows))
+
+
+def update_masked_padded(block: TransformerBlock, x: torch.Tensor, pos: Positions, mask: torch.Tensor,
+                         weight: Optional[torch.Tensor] = None, *, dispatcher: Dispatcher) -> torch.Tensor:
+    """update_masked through the padded path (every row padded to the batch's largest count): the one
+    the KV cache takes, and the reference the ragged path is tested against."""
+    idx, valid = dispatch.mask_indices(mask)
+    weight = None if weight is None else weight.gather(1, idx)
+    return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher)
 
 
 def run_topk_forward(layer, x: torch.Tensor, pos: Positions, *args):

@@ -15,7 +15,7 @@ from megaroute.model.block import TransformerBlock
 from megaroute.model.rope import Positions, RotaryEmbedding
 from megaroute.model.routing import dispatch, halting, mod, ragged
 from megaroute.model.routing.dispatch import Dispatcher
-from megaroute.model.routing.execute import update_masked, update_padded, update_selected
+from megaroute.model.routing.execute import update_masked, update_masked_padded, update_padded, update_selected
 
 B, T = 5, 13
 
@@ -62,13 +62,10 @@ def test_masked_ragged_equals_padded_forward_and_backward(checkpoint, weighted):
         x = torch.randn(B, T, 32, dtype=torch.float64)
         w = torch.rand(B, T, dtype=torch.float64) if weighted else None
 
-        def padded(x, w, mask=mask):
-            idx, valid = dispatch.mask_indices(mask)
-            return update_padded(block, x, pos, idx, None if w is None else w.gather(1, idx), valid, dispatcher=d)
-
         ragged_out, ragged_grads = _run(lambda x, w: update_masked(block, x, pos, mask, w, dispatcher=d),
                                         block, x, w)
-        padded_out, padded_grads = _run(padded, block, x, w)
+        padded_out, padded_grads = _run(lambda x, w: update_masked_padded(block, x, pos, mask, w, dispatcher=d),
+                                        block, x, w)
         torch.testing.assert_close(ragged_out, padded_out, rtol=1e-12, atol=1e-12)
         for a, b in zip(ragged_grads, padded_grads):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -341,17 +338,6 @@ def test_every_token_selected_runs_the_dense_block_without_a_layout(monkeypatch)
     assert not ops & {"aten::index_add", "aten::index_add_", "aten::index_select"}, ops
 
 
-def _padded_masked(block, x, pos, mask, weight=None, *, dispatcher):
-    """update_masked through the padded path (every row padded to the batch's largest count)."""
-    idx, valid = dispatch.mask_indices(mask)
-    return update_padded(block, x, pos, idx, None if weight is None else weight.gather(1, idx), valid,
-                         dispatcher=dispatcher)
-
-
-def _padded_selected(block, x, pos, idx, weight=None, valid=None, *, dispatcher, rows=None):
-    return update_padded(block, x, pos, idx, weight, valid, dispatcher=dispatcher, rows=rows)
-
-
 # Whole models, shapes the benchmarks never use: head dims 8-32, one to six heads, T off every block
 # and bucket size, batches of one to five, a layer whose mask drops a whole sequence.
 MODEL_CASES = [  # method, dtype, (B, T, heads, head_dim, layers, every), executed fraction
@@ -396,8 +382,8 @@ def test_routed_model_inference_equals_the_padded_path_in_float64(monkeypatch, m
             return m(tokens, options=ForwardOptions(mode=mode, masks=masks)).logits.double()
 
     fast = forward(model)
-    monkeypatch.setattr(halting, "update_masked", _padded_masked)
-    monkeypatch.setattr(mod, "update_selected", _padded_selected)
+    monkeypatch.setattr(halting, "update_masked", update_masked_padded)  # the same signatures
+    monkeypatch.setattr(mod, "update_selected", update_padded)
     exact = forward(reference)
     scale = exact.abs().max().item()
     if dtype == torch.float32:
