@@ -341,8 +341,10 @@ class CausalSelfAttention(nn.Module):
             return None
         kernels = cpu.usable(qkv)
         rows = self._float32_rows(qkv, kernels, "causal_attention_forward")
+        if rows is None:
+            return None
         tables = (cos.float(), sin.float())
-        if rows is None or cpu.usable(rows, *tables) is None:
+        if cpu.usable(rows, *tables) is None:
             return None
         kernels.rotary_qkv_inplace(rows, *tables)
         q, k, v = (rows.select(2, i).transpose(1, 2) for i in range(3))
